@@ -1,0 +1,156 @@
+"""Message structs shared by the gateway and the engine workers. Structs only: no I/O, no torch.
+
+Data flow over one ZeroMQ link (gateway ROUTER <-> worker DEALER):
+
+    worker  -> gateway : Hello (first), Heartbeat (periodic, carries Stats), TokenOutput,
+                         RequestError, WorkerDying, ProtocolError
+    gateway -> worker  : Welcome (answer to Hello), Generate, Cancel, Reset, ProtocolError
+
+Each message is a frozen dataclass whose fields are msgpack-native types (ints, floats, strs,
+bytes, lists, dicts, None) or other message dataclasses listed in `NESTED`. The codec
+(`protocol.codec`) maps each class to one type byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling settings. Validated by the gateway before they are sent."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): no top-k
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and k top ones
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a gateway needs to tokenize for a model, sent by the worker in its Hello."""
+
+    tokenizer_json: str  # the `tokenizers` library's JSON
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]
+    add_bos_token: bool = False
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Engine figures, sent with every heartbeat."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hits: int = 0  # tokens served from cached blocks (cumulative)
+    prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
+    preemptions: int = 0  # cumulative
+    generated_tokens: int = 0  # cumulative, aborted requests' included
+    prompt_tokens: int = 0  # cumulative
+
+
+@dataclass(frozen=True)
+class Hello:
+    protocol_version: int
+    worker_id: str  # unique per process life: a restarted worker is a new worker
+    model_id: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    tokenizer: TokenizerInfo
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantization: str = "none"
+    weight_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The gateway's answer to a Hello. `accepted` False carries the reason (version mismatch...)."""
+
+    protocol_version: int
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Generate:
+    request_id: str  # unique across workers
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None = None  # wall-clock seconds since the epoch; None: no deadline
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens for one choice of one request. `finish_reason` set on its last frame."""
+
+    request_id: str
+    index: int  # choice index, 0..n-1
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens of this choice so far
+    # One entry per new token: [token_id, logprob, [[top_id, top_logprob], ...]]
+    logprobs: list[list] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    message: str
+    code: str = "engine_error"  # "invalid_request" for refusals the client caused
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    stats: Stats
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Gateway -> worker: "I do not know you" (a gateway restart): say Hello again."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerDying:
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    """Answer to a frame that did not decode. Never fatal to either side."""
+
+    message: str
+
+
+# Nested struct types the codec may rebuild from dicts, by field name.
+NESTED: dict[str, type] = {
+    "params": SamplingParams,
+    "tokenizer": TokenizerInfo,
+    "stats": Stats,
+}
