@@ -79,7 +79,7 @@ class Hello:
 
 @dataclass(frozen=True)
 class Welcome:
-    """The gateway's answer to a Hello. `accepted` False carries the reason (version mismatch...)."""
+    """The gateway's answer to a Hello; when not accepted, `reason` says why (version...)."""
 
     protocol_version: int
     accepted: bool
@@ -126,6 +126,7 @@ class Heartbeat:
     worker_id: str
     stats: Stats
     time: float = 0.0
+    draining: bool = False  # shutting down: finishing what it has, taking nothing new
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""The gateway's Starlette app: routes, lifespan, health, models and metrics.
+
+    lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
+    /v1/completions, /v1/chat/completions, /v1/generate[/stream]  -> gateway.routes
+    /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway import errors, routes
+from gateway.config import GatewayConfig
+from gateway.service import GatewayState
+
+
+def create_app(cfg: GatewayConfig) -> Starlette:
+    state = GatewayState(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.client.start()
+        try:
+            yield
+        finally:
+            await state.client.close()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/generate", routes.generate, methods=["POST"]),
+        Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health/live", live, methods=["GET"]),
+        Route("/health/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.gateway = state
+    errors.install(app)
+    return app
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    state.check_key(request)
+    data = []
+    for entry in state.client.models.values():
+        h = entry.hello
+        data.append({"id": entry.model_id, "object": "model", "created": entry.created,
+                     "owned_by": "kestrel", "max_model_len": h.max_model_len,
+                     "dtype": h.dtype, "quantization": h.quantization,
+                     "weight_bytes": h.weight_bytes})
+    return JSONResponse({"object": "list", "data": data})
+
+
+def _health_body(state: GatewayState) -> dict:
+    workers = [{"id": w.hello.worker_id, "model": w.hello.model_id, "ready": w.ready,
+                "draining": w.draining, "in_flight": len(w.inflight), "device": w.hello.device,
+                "running": w.stats.running, "waiting": w.stats.waiting,
+                "last_seen_s": round(time.monotonic() - w.last_seen, 3)}
+               for w in state.client.workers.values()]
+    status = "ok" if state.ready else ("draining" if state.draining else
+                                       "queue_full" if state.admission.queue_full else "no_worker")
+    return {"status": status, "models": list(state.client.models), "workers": workers,
+            "queue": {"waiting": state.admission.waiting, "max_queue": state.admission.max_queue,
+                      "outstanding": state.admission.outstanding}}
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    return JSONResponse(_health_body(state), status_code=200 if state.ready else 503)
+
+
+async def live(request: Request) -> Response:
+    return JSONResponse({"status": "alive"})
+
+
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    body = _health_body(state)
+    return JSONResponse({"status": body["status"]}, status_code=200 if state.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    if state.cfg.protect_metrics:
+        state.check_key(request)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

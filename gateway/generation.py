@@ -1,0 +1,181 @@
+"""One request's life at the gateway once it is admitted, whatever the route.
+
+    Generation.events():  worker frames ──▶ per-choice IncrementalDetokenizer (UTF-8 and stop
+    string holdback) ──▶ ChoiceEvent(index, text, finish_reason) ──▶ the route's formatter
+
+The deadline bounds every wait: past it, unfinished choices end with finish_reason "timeout" and the
+worker is told to cancel. A lost worker or an engine refusal raises EngineFailure, which the route
+turns into an error response or a stream error event. `close()` is idempotent and always runs:
+it cancels at the worker if the request is still live there and frees the admission slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.admission import Slot
+from gateway.detokenize import IncrementalDetokenizer
+from gateway.engine_client import EngineClient, ModelEntry, RequestHandle, WorkerLost
+from protocol import messages as m
+
+
+class EngineFailure(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timings:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    scheduled: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive token frames
+
+    def as_dict(self, completion_tokens: int) -> dict[str, float | None]:
+        """ttft_ms: arrival to first token. tpot_ms: mean gap between later tokens.
+        tokens_per_s: completion tokens over the whole request time."""
+        end = self.last_token or time.monotonic()
+        ttft = None if self.first_token is None else (self.first_token - self.arrival) * 1000
+        tpot = None
+        if self.first_token is not None and completion_tokens > 1:
+            tpot = (end - self.first_token) * 1000 / (completion_tokens - 1)
+        total = end - self.arrival
+        tps = completion_tokens / total if total > 0 and completion_tokens else 0.0
+        return {"ttft_ms": _r(ttft), "tpot_ms": _r(tpot), "tokens_per_s": _r(tps)}
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+@dataclass
+class _Choice:
+    detok: IncrementalDetokenizer
+    tokens: int = 0
+    finish_reason: str | None = None
+    worker_done: bool = False  # the worker sent this choice's last frame
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Generation:
+    def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
+                 prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
+                 deadline: float, arrival: float, slot: Slot) -> None:
+        self.client = client
+        self.model = model
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.deadline = deadline  # monotonic
+        self.slot = slot
+        self.timings = Timings(arrival)
+        self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop))
+                        for _ in range(params.n)]
+        self.cached_tokens = 0
+        self.handle: RequestHandle | None = None
+        self._live = False  # the worker may still be generating for us
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [c.finish_reason for c in self.choices]
+
+    def usage(self) -> dict[str, object]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    async def start(self) -> None:
+        wall_deadline = time.time() + max(0.0, self.deadline - time.monotonic())
+        gen = m.Generate(self.request_id, self.prompt_ids, self.params, wall_deadline)
+        self.handle = await self.client.submit(self.model.model_id, gen)
+        self._live = True
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        assert self.handle is not None
+        while any(c.finish_reason is None for c in self.choices):
+            remaining = self.deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                event = await asyncio.wait_for(self.handle.events.get(), remaining)
+            except TimeoutError:
+                for i, choice in enumerate(self.choices):
+                    if choice.finish_reason is None:
+                        choice.finish_reason = "timeout"
+                        yield ChoiceEvent(i, choice.detok.flush(), [], None, "timeout")
+                await self.close()
+                return
+            if isinstance(event, WorkerLost):
+                self._live = False
+                raise EngineFailure(503, f"the worker serving this request was lost "
+                                         f"({event.reason})", "worker_lost")
+            if isinstance(event, m.RequestError):
+                self._live = False
+                status = {"invalid_request": 400, "unavailable": 503}.get(event.code, 500)
+                raise EngineFailure(status, event.message, event.code)
+            out = self._on_output(event)
+            if out is not None:
+                yield out
+        await self.close()
+
+    def _on_output(self, out: m.TokenOutput) -> ChoiceEvent | None:
+        if not 0 <= out.index < len(self.choices):
+            return None
+        choice = self.choices[out.index]
+        choice.worker_done = choice.worker_done or out.finish_reason is not None
+        if choice.finish_reason is not None:
+            return None  # e.g. tokens after a stop string, before our cancel arrived
+        now = time.monotonic()
+        if out.token_ids:
+            t = self.timings
+            if t.first_token is None:
+                t.first_token = now
+            else:
+                t.gaps.append(now - (t.last_token or now))
+            t.last_token = now
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        choice.tokens += len(out.token_ids)
+        choice.token_ids.extend(out.token_ids)
+        text = choice.detok.add(out.token_ids)
+        finish = None
+        if choice.detok.stopped:
+            finish = "stop"
+        elif out.finish_reason is not None:
+            finish = out.finish_reason
+            text += choice.detok.flush()
+        choice.finish_reason = finish
+        return ChoiceEvent(out.index, text, list(out.token_ids), out.logprobs, finish)
+
+    async def close(self) -> None:
+        """Idempotent: stop the work at the worker if it may still run, free the slot."""
+        if self.handle is not None:
+            if self._live and not all(c.worker_done for c in self.choices):
+                await self.client.cancel(self.handle)
+            else:
+                self.client.release(self.handle)
+            self._live = False
+        self.slot.release()

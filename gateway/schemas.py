@@ -1,0 +1,140 @@
+"""Request bodies, as OpenAI's API types them (strict: "5" is not an integer).
+
+Static bounds live on the fields; the limits that are settings (prompt characters, the max_tokens
+cap) are checked by `check_limits` with the gateway's config. Unknown fields are ignored, as
+OpenAI clients expect. Validation happens before anything is tokenized or queued.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 8
+MAX_LOGPROBS = 5
+
+
+class RequestLimitError(ValueError):
+    """A well-typed request outside a configured limit: answered 422 like a type error."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by every generation route."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1  # extension; -1 or 0: off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False  # extension
+    timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> _SamplingFields:
+        stops = self.stop_list()
+        if len(stops) > 4:
+            raise ValueError("stop: at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop: stop sequences must not be empty")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class GenerateRequest(_Strict):
+    """The native API: POST /v1/generate and /v1/generate/stream."""
+
+    prompt: str
+    model: str | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] = 64
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    timeout: Annotated[float, Field(gt=0.0)] | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def check_limits(prompt_chars: int, max_tokens: int | None, *, max_prompt_chars: int,
+                 max_tokens_cap: int) -> None:
+    if prompt_chars == 0:
+        raise RequestLimitError("the prompt is empty", "prompt")
+    if prompt_chars > max_prompt_chars:
+        raise RequestLimitError(
+            f"the prompt has {prompt_chars} characters; the limit is {max_prompt_chars}", "prompt")
+    if max_tokens is not None and max_tokens > max_tokens_cap:
+        raise RequestLimitError(
+            f"max_tokens is {max_tokens}; the limit is {max_tokens_cap}", "max_tokens")

@@ -1,0 +1,207 @@
+"""What every generation route does before and after its own formatting.
+
+    guard (keys, rate limit, draining) -> read_json (413/400) -> parse (422) -> resolve model
+    -> tokenize in a thread -> context check (400) -> admit (429 at once when full)
+    -> Generation.start() (503 without a worker) ... route formats ... -> record() (metrics, log)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from gateway.admission import Admission, QueueFull
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient, ModelEntry, NoWorkerError, new_request_id
+from gateway.errors import APIError, validation_error
+from gateway.generation import Generation
+from gateway.metrics import Metrics
+from gateway.rate_limit import RateLimiter
+from protocol import messages as m
+
+log = logging.getLogger("kestrel.gateway.requests")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class Prepared:
+    model: ModelEntry
+    prompt_ids: list[int]
+    params: m.SamplingParams
+    stop: list[str]
+    deadline: float
+    arrival: float
+
+
+class GatewayState:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.keys = cfg.keys()
+        self.client = EngineClient(cfg.engine_address, cfg.heartbeat_timeout_s)
+        self.admission = Admission(self._limit, cfg.max_queue)
+        self.metrics = Metrics(lambda: list(self.client.workers.values()))
+        self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
+        self.draining = False
+        self.client.on_stats.append(lambda _w, _s: self.admission.poke())
+        self.metrics.in_flight.set_function(lambda: self.admission.outstanding)
+        self.metrics.waiting.set_function(lambda: self.admission.waiting)
+        self.metrics.workers_ready.set_function(lambda: len(self.client.ready_workers()))
+
+    def _limit(self) -> int:
+        return self.cfg.max_outstanding or self.client.capacity()
+
+    @property
+    def ready(self) -> bool:
+        return self.client.ready and not self.draining and not self.admission.queue_full
+
+    # ---- before ------------------------------------------------------------------------------
+
+    def check_key(self, request: Request) -> str | None:
+        """The caller's key, or None when keys are off; 401 when keys are on and it is wrong."""
+        if not self.keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not any(
+                hmac.compare_digest(key.strip(), k) for k in self.keys):
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return key.strip()
+
+    def guard(self, request: Request) -> None:
+        key = self.check_key(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        client = key or (request.client.host if request.client else "unknown")
+        wait = self.limiter.take(client)
+        if wait > 0:
+            raise APIError(429, "rate limit exceeded for this client", code="rate_limited",
+                           headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+
+    async def read_json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
+            raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
+                           code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def parse(self, cls: type[M], data: Any) -> M:
+        if not isinstance(data, dict):
+            raise APIError(422, "the body must be a JSON object", code="invalid_value")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    def resolve_model(self, name: str | None) -> ModelEntry:
+        if not self.client.models:
+            raise APIError(503, "no worker is ready yet", code="no_worker")
+        if name is None or name == "":
+            return next(iter(self.client.models.values()))
+        entry = self.client.model(name)
+        if entry is None:
+            served = ", ".join(self.client.models)
+            raise APIError(404, f"model {name!r} is not served here (served: {served})",
+                           param="model", code="model_not_found")
+        return entry
+
+    async def tokenize(self, func: Any, *args: Any) -> list[int]:
+        # Tokenizing a long prompt is CPU work: keep it off the event loop.
+        return await asyncio.to_thread(func, *args)
+
+    def make_params(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,
+                    **fields: Any) -> m.SamplingParams:
+        room = model.hello.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = min(self.cfg.max_tokens_cap, room)
+            if max_tokens < 1:
+                raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room "
+                               f"in the context of {model.hello.max_model_len}",
+                               param="prompt", code="context_length_exceeded")
+        elif prompt_len + max_tokens > model.hello.max_model_len:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens})"
+                           f" exceeds the model's context of {model.hello.max_model_len}",
+                           param="max_tokens", code="context_length_exceeded")
+        top_k = fields.pop("top_k", -1)
+        return m.SamplingParams(max_tokens=max_tokens, top_k=max(0, top_k), **fields)
+
+    def deadline(self, arrival: float, timeout: float | None) -> float:
+        seconds = self.cfg.default_timeout_s if timeout is None else min(
+            timeout, self.cfg.default_timeout_s)
+        return arrival + seconds
+
+    async def start(self, prep: Prepared) -> Generation:
+        try:
+            slot = await asyncio.wait_for(self.admission.acquire(),
+                                          max(0.0, prep.deadline - time.monotonic()))
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) \
+                from None
+        except TimeoutError:
+            raise APIError(504, "the request's deadline passed while it was queued",
+                           code="timeout") from None
+        gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
+                         prep.stop, prep.deadline, prep.arrival, slot)
+        try:
+            await gen.start()
+        except NoWorkerError as exc:
+            await gen.close()
+            raise APIError(503, str(exc), code="no_worker") from None
+        gen.timings.scheduled = time.monotonic()
+        return gen
+
+    # ---- after --------------------------------------------------------------------------------
+
+    def record(self, route: str, status: int, gen: Generation | None, arrival: float,
+               request_id: str, finish: str | None = None) -> None:
+        """One request ended: metrics and one structured log line."""
+        now = time.monotonic()
+        reasons = [r for r in (gen.finish_reasons if gen else []) if r]
+        finish = finish or (reasons[0] if reasons else ("rejected" if status == 429 else
+                                                        "error" if status >= 400 else "none"))
+        mx = self.metrics
+        mx.requests.labels(route, str(status), finish).inc()
+        mx.e2e.observe(now - arrival)
+        fields: dict[str, Any] = {"event": "request_end", "request_id": request_id,
+                                  "route": route, "status": status, "finish_reason": finish,
+                                  "total_ms": round((now - arrival) * 1000, 2)}
+        if gen is not None:
+            t = gen.timings
+            mx.prompt_tokens.inc(gen.prompt_tokens)
+            mx.generation_tokens.inc(gen.completion_tokens)
+            for gap in t.gaps:
+                mx.itl.observe(gap)
+            mx.prompt_len.observe(gen.prompt_tokens)
+            mx.gen_len.observe(gen.completion_tokens)
+            if t.scheduled is not None:
+                mx.queue_wait.observe(t.scheduled - arrival)
+            if t.first_token is not None:
+                mx.ttft.observe(t.first_token - arrival)
+            timings = t.as_dict(gen.completion_tokens)
+            if timings["tpot_ms"] is not None:
+                mx.tpot.observe(timings["tpot_ms"] / 1000)
+            fields.update(
+                tokens_in=gen.prompt_tokens, tokens_out=gen.completion_tokens,
+                queue_wait_ms=None if t.scheduled is None else round((t.scheduled - arrival) * 1000,
+                                                                     2),
+                ttft_ms=timings["ttft_ms"], engine_request_id=gen.request_id,
+                worker=gen.handle.worker.name if gen.handle else None)
+        log.info("request ended", extra={"fields": fields})

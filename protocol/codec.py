@@ -1,0 +1,131 @@
+"""Frame codec: message dataclass <-> `[type byte, msgpack payload]`. Never pickle.
+
+encode(msg) -> [bytes([type]), payload]      (the ROUTER side prepends the peer's routing id)
+decode(frames) -> msg                         (raises DecodeError on anything malformed)
+
+The decoder checks every frame: a known type byte, a msgpack map, every required field present
+with the declared type. A frame from a buggy or hostile peer therefore becomes a DecodeError that
+the caller answers or logs; it never reaches the engine or the HTTP layer half-built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import msgpack
+
+from protocol import messages as m
+
+# One type byte per message. Never renumber: peers of different builds must agree.
+TYPE_CODES: dict[type, int] = {
+    m.Hello: 1,
+    m.Welcome: 2,
+    m.Generate: 3,
+    m.TokenOutput: 4,
+    m.RequestError: 5,
+    m.Cancel: 6,
+    m.Heartbeat: 7,
+    m.Reset: 8,
+    m.WorkerDying: 9,
+    m.ProtocolError: 10,
+}
+CODE_TYPES: dict[int, type] = {code: cls for cls, code in TYPE_CODES.items()}
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a Hello carries a tokenizer (~3.5 MB for SmolLM2)
+
+
+class DecodeError(ValueError):
+    """A frame that is not a valid message. Callers log it or answer ProtocolError."""
+
+
+def encode(msg: Any) -> list[bytes]:
+    code = TYPE_CODES.get(type(msg))
+    if code is None:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return [bytes([code]), msgpack.packb(_to_plain(msg), use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Any:
+    if len(frames) != 2:
+        raise DecodeError(f"expected 2 frames [type, payload], got {len(frames)}")
+    type_frame, payload = frames
+    if len(type_frame) != 1 or type_frame[0] not in CODE_TYPES:
+        raise DecodeError(f"unknown message type {type_frame[:8]!r}")
+    if len(payload) > MAX_FRAME_BYTES:
+        raise DecodeError(f"payload of {len(payload)} bytes is over the limit")
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"payload is not msgpack: {exc}") from None
+    return _build(CODE_TYPES[type_frame[0]], data)
+
+
+def _to_plain(obj: Any) -> Any:
+    # asdict() recurses into nested dataclasses and copies lists: exactly the msgpack shape.
+    return dataclasses.asdict(obj)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _build(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise DecodeError(f"{cls.__name__}: payload is not a map")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required:
+                raise DecodeError(f"{cls.__name__}: missing field {f.name!r}")
+            continue
+        kwargs[f.name] = _check(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+    # Unknown keys are ignored: a newer peer may add optional fields within one version.
+    return cls(**kwargs)
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against the type hint `tp`; rebuild nested dataclasses."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(inner[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise DecodeError(f"{where}: expected a list")
+        if args:
+            return [_check(args[0], v, f"{where}[]") for v in value]
+        return value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise DecodeError(f"{where}: expected a map")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DecodeError(f"{where}: expected a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DecodeError(f"{where}: expected an integer")
+        return value
+    if tp in (str, bool, bytes):
+        if not isinstance(value, tp):
+            raise DecodeError(f"{where}: expected {tp.__name__}")
+        return value
+    if tp is Any:
+        return value
+    raise DecodeError(f"{where}: unsupported type {tp!r}")

@@ -1,0 +1,83 @@
+"""The codec: every message round-trips; anything malformed is a DecodeError, never a crash."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol import messages as m
+
+TOKENIZER = m.TokenizerInfo('{"model": {}}', "{{ messages }}", "<s>", "</s>", [2, 3], True)
+SAMPLES = [
+    m.Hello(m.PROTOCOL_VERSION, "w1", "tiny", 2048, 4096, 32, TOKENIZER, "cpu", "bfloat16",
+            "int8", 1234),
+    m.Welcome(m.PROTOCOL_VERSION, False, "version mismatch"),
+    m.Generate("r1", [1, 2, 3], m.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9,
+                                                 top_k=4, seed=7, stop_token_ids=[9],
+                                                 logprobs=2, n=3), 1.7e9),
+    m.Generate("r2", [4], m.SamplingParams()),
+    m.TokenOutput("r1", 2, [5, 6], "length", 3, 2, [[5, -0.5, [[5, -0.5], [8, -1.25]]]], 16),
+    m.TokenOutput("r1", 0, [7]),
+    m.RequestError("r1", "too long", "invalid_request"),
+    m.Cancel("r1"),
+    m.Heartbeat("w1", m.Stats(1, 2, 3, 4, 5, 6, 7, 8, 9), 12.5, True),
+    m.Reset("who are you"),
+    m.WorkerDying("w1", "engine error"),
+    m.ProtocolError("bad frame"),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(s) for s in SAMPLES} == set(codec.TYPE_CODES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip_gives_an_equal_message(msg: object) -> None:
+    frames = codec.encode(msg)
+    assert len(frames) == 2 and len(frames[0]) == 1
+    assert codec.decode(frames) == msg
+
+
+def test_type_codes_are_distinct() -> None:
+    assert len(set(codec.TYPE_CODES.values())) == len(codec.TYPE_CODES)
+
+
+def test_encoding_a_non_message_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        codec.encode({"request_id": "r"})
+
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [b"\x06"],
+    [b"\x06", b"", b""],
+    [b"\xff", msgpack.packb({"request_id": "r"})],
+    [b"\x06\x06", msgpack.packb({"request_id": "r"})],
+    [b"\x06", b"\xc1garbage"],
+    [b"\x06", msgpack.packb([1, 2])],
+    [b"\x06", msgpack.packb({})],
+    [b"\x06", msgpack.packb({"request_id": 5})],
+    [b"\x03", msgpack.packb({"request_id": "r", "prompt_token_ids": ["a"], "params": {}})],
+    [b"\x03", msgpack.packb({"request_id": "r", "prompt_token_ids": [1], "params": 3})],
+    [b"\x07", msgpack.packb({"worker_id": "w", "stats": {"running": True}})],
+], ids=lambda f: repr(f)[:40])
+def test_malformed_frames_raise_decode_error(frames: list[bytes]) -> None:
+    with pytest.raises(codec.DecodeError):
+        codec.decode(frames)
+
+
+def test_unknown_fields_are_ignored_within_a_version() -> None:
+    payload = msgpack.packb({"request_id": "r", "added_later": 1})
+    assert codec.decode([b"\x06", payload]) == m.Cancel("r")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=4))
+def test_random_bytes_never_raise_anything_but_decode_error(frames: list[bytes]) -> None:
+    try:
+        codec.decode(frames)
+    except codec.DecodeError:
+        pass
