@@ -1,0 +1,202 @@
+"""`kestrel-worker`: load a model, join a gateway, serve until told to stop.
+
+The main thread owns the model and runs the engine loop:
+
+    drain inbound (Generate/Cancel/Reset) -> abort expired -> engine.step() -> push token frames
+
+and never waits on the network: the link's I/O thread owns the socket. Hello is sent only after
+the model is loaded, so the gateway's readiness follows the model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from engine_worker.config import WorkerConfig
+from protocol import messages as m
+from protocol.jsonlog import setup_logging
+from protocol.settings import parse_settings
+from protocol.transport import new_worker_id
+
+log = logging.getLogger("kestrel.worker")
+
+
+class WorkerLoop:
+    """Glue between the link (network) and the engine (tensors)."""
+
+    def __init__(self, cfg: WorkerConfig, engine: Any, link: Any,
+                 stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.link = link
+        self.out = link.open_outbound()
+        self.stop = stop  # set by the signal handler: drain, then return
+        self.drain_started: float | None = None
+        # Tokens sampled for a request after its Cancel reached the I/O thread; logged per request
+        # so tests can check that a cancel is honoured within one step.
+        self.after_cancel: dict[str, int] = defaultdict(int)
+        self.finish: dict[str, list[str]] = defaultdict(list)
+
+    def run(self) -> int:
+        while True:
+            if self.link.rejected is not None:
+                return 3
+            self._drain_inbound(block=not self.engine.has_work)
+            for rid in self.engine.expired(time.time()):
+                self._send_all(self.engine.abort(rid, "timeout"))
+            outputs = self.engine.step()
+            self._send_all(outputs)
+            self.link.stats = self.engine.stats()
+            if self.stop.is_set():
+                if self.drain_started is None:
+                    self.drain_started = time.monotonic()
+                    self.link.draining = True
+                    log.info("draining: finishing %d requests", len(self.engine.requests))
+                overdue = time.monotonic() - self.drain_started > self.cfg.drain_timeout_s
+                if overdue:
+                    for rid in list(self.engine.requests):
+                        self._send_all(self.engine.abort(rid, "abort"))
+                if not self.engine.has_work:
+                    return 0
+
+    def _drain_inbound(self, block: bool) -> None:
+        timeout = 0.05 if block else None
+        while True:
+            try:
+                msg = self.link.inbound.get(timeout=timeout) if timeout else \
+                    self.link.inbound.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, m.Generate):
+            if self.stop.is_set():
+                self.out.send(m.RequestError(msg.request_id, "worker is shutting down",
+                                             "unavailable"))
+                return
+            log.info("request received", extra={"fields": {
+                "event": "request_start", "request_id": msg.request_id,
+                "prompt_tokens": len(msg.prompt_token_ids)}})
+            try:
+                self.engine.add(msg)
+            except ValueError as exc:
+                self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
+        elif isinstance(msg, m.Cancel):
+            self._send_all(self.engine.abort(msg.request_id, "abort"))
+        elif isinstance(msg, m.Reset):
+            for rid in list(self.engine.requests):
+                self._send_all(self.engine.abort(rid, "abort"))
+
+    def _send_all(self, outputs: list[m.TokenOutput]) -> None:
+        ended: dict[str, m.TokenOutput] = {}
+        for out in outputs:
+            rid = out.request_id
+            if out.token_ids and rid in self.link.cancel_arrivals:
+                self.after_cancel[rid] += len(out.token_ids)
+            self.out.send(out)
+            if out.finish_reason is not None:
+                self.finish[rid].append(out.finish_reason)
+                if rid not in self.engine.requests:
+                    ended[rid] = out
+        for rid, out in ended.items():
+            self._log_request_end(rid, out)
+
+    def _log_request_end(self, rid: str, out: m.TokenOutput) -> None:
+        fields = {
+            "event": "request_end",
+            "request_id": rid,
+            "finish_reasons": self.finish.pop(rid, []),
+            "prompt_tokens": out.prompt_tokens,
+            "cached_tokens": out.cached_tokens,
+            "tokens_after_cancel": self.after_cancel.pop(rid, 0),
+        }
+        arrival = self.link.cancel_arrivals.pop(rid, None)
+        if arrival is not None:  # monotonic -> wall clock, for comparing with the client's
+            fields["cancel_received_ts"] = time.time() - (time.monotonic() - arrival)
+        log.info("request ended", extra={"fields": fields})
+
+
+def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
+    from engine_worker.model.loader import tokenizer_info
+
+    model_id = cfg.model_id or (
+        "SmolLM2-135M-Instruct" if cfg.model in ("default", "smollm2") else checkpoint.name
+    )
+    return m.Hello(
+        protocol_version=m.PROTOCOL_VERSION,
+        worker_id=new_worker_id(),
+        model_id=model_id,
+        max_model_len=runner.max_model_len,
+        kv_capacity_tokens=runner.num_blocks * runner.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        tokenizer=tokenizer_info(checkpoint),
+        device=str(runner.device),
+        dtype=cfg.dtype,
+        weight_bytes=runner.weight_bytes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_settings(WorkerConfig, argv, prog="kestrel-worker",
+                         description="Kestrel engine worker: owns a model, joins a gateway.")
+    setup_logging(cfg.log_level)
+    import torch
+
+    from engine_worker.engine import Engine
+    from engine_worker.link import WorkerLink
+    from engine_worker.model.loader import resolve_checkpoint
+    from engine_worker.model_runner import ModelRunner
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    stop = threading.Event()
+
+    def on_term(signum: int, _frame: Any) -> None:
+        log.info("signal %d: draining then exiting", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    started = time.monotonic()
+    checkpoint = resolve_checkpoint(cfg.model, Path(cfg.cache_dir))
+    runner = ModelRunner(
+        checkpoint,
+        dtype=getattr(torch, cfg.dtype),
+        device=cfg.device,
+        kv_budget_bytes=cfg.kv_cache_mb * 2**20,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len or None,
+    )
+    engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    enable_prefix_caching=cfg.prefix_caching)
+    hello = build_hello(cfg, runner, checkpoint)
+    log.info("model loaded", extra={"fields": {
+        "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
+        "kv_capacity_tokens": hello.kv_capacity_tokens, "max_model_len": hello.max_model_len,
+        "worker_id": hello.worker_id}})
+    link = WorkerLink(cfg.gateway_address, hello, cfg.heartbeat_s)
+    link.start()
+    loop = WorkerLoop(cfg, engine, link, stop)
+    try:
+        code = loop.run()
+    except Exception as exc:
+        log.exception("engine loop failed")
+        link.stop(dying_reason=f"engine error: {type(exc).__name__}: {exc}")
+        return 1
+    link.stop(dying_reason="shutdown" if code == 0 else f"refused: {link.rejected}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

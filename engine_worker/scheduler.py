@@ -1,0 +1,265 @@
+"""Continuous-batching scheduler with chunked prefill and preemption. No torch.
+
+Data flow, once per engine step:
+
+    chunks = scheduler.schedule()            # which tokens of which sequences to compute now
+    sampled = model_runner.run(chunks)       # one token per chunk with `sample`, else None
+    new = scheduler.update(chunks, sampled)  # advance, append, finish, free
+
+A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its tokens). Each step
+spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence, then
+the next chunk of every running prefill, then new admissions in FCFS order. When a decode finds
+no free block, the newest running sequence is preempted (blocks freed, back to the front of the
+queue, recomputed later, mostly from the prefix cache): a sequence is delayed, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine_worker.block_manager import BlockManager
+from engine_worker.sequence import Sequence, SequenceGroup, SequenceStatus
+from protocol.messages import SamplingParams
+
+
+class RequestTooLarge(ValueError):
+    """A request that could never be served by this worker, whatever the load."""
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute K/V for `seq.token_ids[start_pos : start_pos + num_tokens]` this step.
+
+    `start_pos == seq.num_computed_tokens` when scheduled. `sample`: the chunk ends at the
+    sequence's last token, so its last logits give the next token.
+    """
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    sample: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        if max_num_seqs <= 0 or max_model_len <= 0:
+            raise ValueError("max_num_seqs and max_model_len must be positive")
+        # Every running sequence may be decoding at once; each needs one token of the budget,
+        # else the newest decoders would starve behind the oldest.
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({max_num_seqs})"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # admission order: oldest first, newest last
+        self._by_request: dict[str, list[Sequence]] = {}  # live (unfinished) sequences
+        self.preemptions = 0
+
+    # -- figures -------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._by_request)
+
+    def get(self, request_id: str) -> list[Sequence]:
+        """The unfinished sequences of a request ([] if none)."""
+        return list(self._by_request.get(request_id, ()))
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    @staticmethod
+    def make_group(
+        request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[Sequence]:
+        """The `params.n` sequences of one request, grouped so siblings share the prompt."""
+        return SequenceGroup(request_id, prompt_token_ids, params).seqs
+
+    def add(self, seq: Sequence) -> None:
+        prompt_len, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        # The last sampled token is never fed back, so the cache holds at most this many.
+        peak = self.block_manager.blocks_needed(prompt_len + max_tokens - 1)
+        if peak > self.block_manager.num_blocks:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {peak} KV "
+                f"blocks; this worker's cache has {self.block_manager.num_blocks} in all"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._waiting.append(seq)
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every live sequence of a request with reason "abort"; returns them."""
+        seqs = self._by_request.pop(request_id, [])
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._running.remove(seq)
+                self.block_manager.free(seq)
+            else:
+                self._waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        return seqs
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+
+        # 1. Decodes: one token each, oldest first. Victims are taken from the tail of
+        # `_running`, so a sequence already given a chunk this step is never preempted.
+        for seq in list(self._running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # still prefilling: step 2
+            while not self.block_manager.can_append(seq):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append_slot(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_tokens - 1, 1, sample=True))
+            budget -= 1
+
+        # 2. Running prefills: their blocks were all allocated at admission.
+        for seq in self._running:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining <= 1 or budget == 0:
+                continue
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].num_tokens
+
+        # 3. Admissions, strictly FCFS: the head of the queue that cannot go blocks the rest.
+        # Not in a step that preempted: blocks are short, and the victim would bounce back.
+        while (
+            not preempted
+            and self._waiting
+            and budget > 0
+            and len(self._running) < self.max_num_seqs
+        ):
+            seq = self._waiting[0]
+            group = seq.group
+            if group is not None and seq is not group.leader and not group.prompt_computed:
+                break  # wait for the leader's prompt blocks to land in the prefix cache
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].num_tokens
+        return chunks
+
+    def update(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> list[Sequence]:
+        """Apply one step's results. Returns the sequences that got a new token, in chunk order."""
+        if len(chunks) != len(sampled):
+            raise ValueError(f"{len(chunks)} chunks but {len(sampled)} sampled entries")
+        new: list[Sequence] = []
+        for chunk, token in zip(chunks, sampled, strict=True):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted since it was scheduled; its blocks are already freed
+            if chunk.start_pos != seq.num_computed_tokens:
+                raise RuntimeError(f"stale chunk at {chunk.start_pos} for {seq!r}")
+            end = chunk.start_pos + chunk.num_tokens
+            seq.num_prefilled_tokens_total += max(
+                0, min(end, seq.num_prompt_tokens) - chunk.start_pos
+            )
+            seq.num_computed_tokens = end
+            self.block_manager.mark_computed(seq)
+            if seq.group is not None and end >= seq.num_prompt_tokens:
+                seq.group.prompt_computed = True
+            if not chunk.sample:
+                continue
+            if token is None:
+                raise ValueError(f"no token sampled for a sampling chunk of {seq!r}")
+            seq.append_token(token)
+            new.append(seq)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+        return new
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        return ScheduledChunk(seq, seq.num_computed_tokens, n, sample=n == remaining)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        live = self._by_request.get(seq.request_id)
+        if live is not None:
+            live.remove(seq)
+            if not live:
+                del self._by_request[seq.request_id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and requeue it at the front; it is recomputed on re-admission."""
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._waiting.appendleft(seq)
+        self.preemptions += 1

@@ -1,0 +1,56 @@
+"""Shared fixtures: the converted SmolLM2 checkpoint, a tiny random Llama, running servers.
+
+Checkpoints live in KESTREL_CACHE_DIR (default ~/.cache/kestrel): SmolLM2's one-time conversion
+from the embedded GGUF takes ~25 s; later sessions reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import GatewayProc, WorkerProc
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    path = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(cache_dir: Path) -> Path:
+    from engine_worker.model.loader import resolve_checkpoint
+
+    return resolve_checkpoint("default", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(cache_dir: Path, smollm2_dir: Path) -> Path:
+    from engine_worker.model.tiny import make_tiny_checkpoint
+
+    path = cache_dir / "tiny-llama-seed0"
+    if not (path / "config.json").exists():
+        make_tiny_checkpoint(path, seed=0, tokenizer_from=smollm2_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]:
+    """A gateway and one worker on the tiny random model, shared by a test module."""
+    with GatewayProc() as gw, WorkerProc(tiny_model_dir, gw.engine_address) as wk:
+        gw.wait_ready()
+        yield gw, wk
+
+
+@pytest.fixture(scope="session")
+def smollm_server(smollm2_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]:
+    """A gateway and one worker on the real SmolLM2, shared by the whole session."""
+    with GatewayProc() as gw, WorkerProc(smollm2_dir, gw.engine_address,
+                                         "--model-id", "SmolLM2-135M-Instruct") as wk:
+        gw.wait_ready(timeout=180)
+        yield gw, wk

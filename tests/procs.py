@@ -1,0 +1,140 @@
+"""Real processes for end-to-end tests: a gateway and workers on loopback, real ZeroMQ.
+
+    with GatewayProc(...) as gw, WorkerProc(model_dir, gw.engine_address) as wk:
+        gw.wait_ready(); ... HTTP to gw.base_url ...
+
+Each process writes its JSON log lines to a file the test can read (`log_lines()`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    name = "proc"
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = Path(tempfile.mkstemp(prefix=f"kestrel-{self.name}-", suffix=".log")[1])
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        self._log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
+                                      stderr=subprocess.STDOUT)
+        return self
+
+    def __enter__(self) -> Proc:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15) -> int | None:
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for line in self.output().splitlines():
+            if line.startswith("{"):
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    pass
+        return lines
+
+
+class GatewayProc(Proc):
+    name = "gateway"
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:
+        self.port = free_port()
+        self.engine_address = f"tcp://127.0.0.1:{free_port()}"
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        args = [python, "-m", "gateway.main", "--port", str(self.port),
+                "--engine-address", self.engine_address, *flags]
+        super().__init__(args, env)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen is not None and self.popen.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.base_url + "/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not ready after {timeout} s:\n{self.output()[-3000:]}")
+
+    def wait_live(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/health/live", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise TimeoutError(f"gateway not live:\n{self.output()[-3000:]}")
+
+    def metrics(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=5).text
+
+
+class WorkerProc(Proc):
+    name = "worker"
+
+    def __init__(self, model: str | Path, gateway_address: str, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
+        args = [sys.executable, "-m", "engine_worker.main", "--model", str(model),
+                "--gateway-address", gateway_address, "--kv-cache-mb", "64", *flags]
+        super().__init__(args, env)
+
+    def request_ends(self) -> dict[str, dict[str, Any]]:
+        """The worker's per-request log lines, by engine request id."""
+        return {e["request_id"]: e for e in self.log_lines() if e.get("event") == "request_end"}
