@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import msgpack
-import pytest
 import zmq
 
 from protocol import codec
