@@ -1,0 +1,236 @@
+"""The model runner: turns one scheduled step into one forward pass and returns its logits.
+
+Data flow of `execute(items)`:
+
+    StepItems (token ids, start position, block table of each sequence)
+      -> _prepare: decodes first, then prefill chunks, laid out as one flat batch; every index
+         (ids, positions, slots, decode block lists, context lengths, rows to score) packed into
+         one int64 buffer and moved to the device in one copy, then sliced
+      -> LlamaForCausalLM.forward (writes K/V into the KVCache in place, reads earlier tokens)
+      -> float32 logits (len(items), V), row i = last token of items[i]
+
+The runner owns the weights and the KV cache memory; which blocks a sequence owns is decided
+outside (block manager), and arrives here as block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_worker.kv_cache import KVCache, num_blocks_for_budget
+from engine_worker.model.llama import AttnMeta, PrefillSpan
+from engine_worker.model.loader import load_config, load_model
+
+
+@dataclass
+class StepItem:
+    """Tokens at absolute positions start_pos..start_pos+len-1 of one sequence. Their K/V go to
+    the slots their block table gives; attention sees positions 0..start_pos+len-1."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        kv_budget_bytes: int,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:
+            # Process-wide by nature; torch's default (one per physical core) is usually right.
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        cfg = load_config(Path(model_path))
+        num_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
+        if num_blocks == 0:
+            raise ValueError(f"KV budget of {kv_budget_bytes} bytes is less than one block")
+        limit = min(cfg.max_position_embeddings, num_blocks * block_size)
+        if cfg.sliding_window is not None:
+            limit = min(limit, cfg.sliding_window)  # full attention is exact only within it
+        if max_model_len is None:
+            max_model_len = limit
+        elif not 0 < max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len {max_model_len} must be in 1..{limit} (checkpoint context "
+                f"{cfg.max_position_embeddings}, KV capacity {num_blocks * block_size} tokens)"
+            )
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = load_model(Path(model_path), dtype, self.device, max_positions=max_model_len)
+        self.config = self.model.config
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
+        # parameters() yields a tied embedding once, so it is counted once
+        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def execute(self, items: list[StepItem]) -> torch.Tensor:
+        """float32 logits (len(items), V) for the last token of each item, one forward pass."""
+        if not items:
+            raise ValueError("execute needs at least one item")
+        ids, positions, meta, rows = self._prepare(items)
+        return self.model(ids, positions, meta, self.kv_cache, rows)
+
+    @torch.inference_mode()
+    def forward_full(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits (T, V) at every position, recomputed from scratch: no cache is read or
+        written. A reference for tests, and a cache-free scorer."""
+        t = len(token_ids)
+        if not 0 < t <= self.max_model_len:
+            raise ValueError(f"need 1..{self.max_model_len} tokens, got {t}")
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
+        positions = torch.arange(t, device=self.device)  # (T,)
+        meta = AttnMeta(slot_mapping=None, prefills=[PrefillSpan(begin=0, length=t, start_pos=0)])
+        return self.model(ids, positions, meta, None, None)
+
+    def _check(self, item: StepItem) -> None:
+        n, end = len(item.token_ids), item.start_pos + len(item.token_ids)
+        if n == 0 or item.start_pos < 0:
+            raise ValueError(f"bad step item: {n} tokens at start_pos {item.start_pos}")
+        if end > self.max_model_len:
+            raise ValueError(f"positions up to {end} exceed max_model_len {self.max_model_len}")
+        used = item.block_table[: -(-end // self.block_size)]
+        if len(used) * self.block_size < end:
+            raise ValueError(f"block table of {len(item.block_table)} blocks too short for {end}")
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            raise ValueError(f"block id out of range 0..{self.num_blocks - 1}")
+
+    def _prepare(
+        self, items: list[StepItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnMeta, torch.Tensor]:
+        bs = self.block_size
+        for it in items:
+            self._check(it)
+        # Decodes first so that their rows are one contiguous slice [0, B) for one batched SDPA.
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) > 1)
+        decodes = [items[i] for i in order if len(items[i].token_ids) == 1]
+        prefills = [items[i] for i in order if len(items[i].token_ids) > 1]
+
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(items)  # row of each item's last token, in the items' order
+        for i in order:
+            it = items[i]
+            table, start = it.block_table, it.start_pos
+            p = range(start, start + len(it.token_ids))
+            ids += it.token_ids
+            pos += p
+            slots += [table[q // bs] * bs + q % bs for q in p]
+            last_row[i] = len(ids) - 1
+
+        b = len(decodes)
+        ctx = [it.start_pos + 1 for it in decodes]  # context length of each decode
+        t_max = max(ctx, default=0)
+        nblk = -(-t_max // bs)
+        dec_blocks: list[int] = []
+        for it in decodes:  # pad each table to nblk with block 0: read, then masked out
+            dec_blocks += (it.block_table[:nblk] + [0] * nblk)[:nblk]
+
+        n = len(ids)
+        packed = torch.tensor(
+            ids + pos + slots + last_row + dec_blocks + ctx, dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        ids_t, pos_t, slots_t, rows_t, blocks_t, ctx_t = packed.split(
+            [n, n, n, len(items), len(dec_blocks), b]
+        )
+        decode_where: torch.Tensor | int | None = blocks_t if b else None
+        if b == 1:  # a lone decode in consecutive blocks reads a view instead of gathering
+            run = _run_start(decodes[0].block_table[:nblk], bs)
+            decode_where = blocks_t if run is None else run
+        decode_mask = None
+        if b and min(ctx) != t_max:  # ragged contexts: mask each row past its own length
+            col = torch.arange(t_max, device=self.device)
+            decode_mask = (col < ctx_t[:, None]).view(b, 1, 1, t_max)  # (B, 1, 1, T)
+
+        spans: list[PrefillSpan] = []
+        row = b
+        for it in prefills:
+            length, start = len(it.token_ids), it.start_pos
+            span = PrefillSpan(begin=row, length=length, start_pos=start)
+            if start > 0:  # earlier tokens are in the cache: gather them, mask causally
+                s = start + length
+                used = it.block_table[: -(-s // bs)]
+                run = _run_start(used, bs)
+                span.blocks = torch.tensor(used, device=self.device) if run is None else run
+                key = torch.arange(s, device=self.device)
+                query = torch.arange(start, s, device=self.device)
+                span.mask = key[None, :] <= query[:, None]  # (L, S)
+            spans.append(span)
+            row += length
+
+        meta = AttnMeta(
+            slot_mapping=slots_t,
+            block_size=bs,
+            num_decode=b,
+            decode_blocks=decode_where,
+            decode_ctx=t_max,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        return ids_t, pos_t, meta, rows_t
+
+
+def _run_start(blocks: list[int], block_size: int) -> int | None:
+    """First slot of `blocks` if they are consecutive ids (readable as one view), else None."""
+    first = blocks[0]
+    if blocks[-1] - first == len(blocks) - 1 and blocks == list(range(first, first + len(blocks))):
+        return first * block_size
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Decode throughput: python -m engine_worker.model_runner [MODEL] [--batch 1,16] ..."""
+    import argparse
+    import os
+    import time
+
+    from engine_worker.model.loader import resolve_checkpoint
+
+    ap = argparse.ArgumentParser(description="Greedy decode throughput through execute().")
+    ap.add_argument("model", nargs="?", default="default")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    path = resolve_checkpoint(args.model, cache)
+    runner = ModelRunner(
+        path, dtype=getattr(torch, args.dtype), device=args.device, kv_budget_bytes=1 << 30
+    )
+    nblk = -(-(args.prompt + args.steps) // runner.block_size)
+    for b in (int(x) for x in args.batch.split(",")):
+        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(100, 40000, (b, args.prompt), generator=g).tolist()
+        t0 = time.perf_counter()
+        toks = runner.execute([StepItem(prompts[i], 0, tables[i]) for i in range(b)]).argmax(-1)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for s in range(args.steps):
+            items = [StepItem([int(toks[i])], args.prompt + s, tables[i]) for i in range(b)]
+            toks = runner.execute(items).argmax(-1)
+        dt = time.perf_counter() - t0
+        print(
+            f"{args.dtype} batch {b}: prefill {b}x{args.prompt} {prefill * 1e3:.0f} ms, decode "
+            f"{dt / args.steps * 1e3:.1f} ms/step, {b * args.steps / dt:.1f} tok/s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Fixtures for the model, KV cache and model runner tests. All session-scoped: loading weights
+is the slow part, and every test uses its own block ids, so sharing a runner is safe.
+
+`smollm2_dir` (the converted SmolLM2, cached under KESTREL_CACHE_DIR or ~/.cache/kestrel) comes
+from tests/conftest.py. The tiny model here lives in a temp folder and takes its tokenizer from
+the embedded GGUF, so tests that skip SmolLM2 (`-m "not smollm"`) never convert it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_worker.model.tiny import make_tiny_checkpoint
+from engine_worker.model_runner import ModelRunner
+
+KV_BUDGET = 64 << 20  # bytes: 64 MiB is >1000 tokens even for SmolLM2 in float32
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_dir: Path) -> ModelRunner:
+    return ModelRunner(tiny_dir, kv_budget_bytes=KV_BUDGET, block_size=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(smollm2_dir: Path) -> ModelRunner:
+    return ModelRunner(smollm2_dir, kv_budget_bytes=KV_BUDGET, block_size=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path) -> Any:
+    """transformers' own model on the converted folder: the reference forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()

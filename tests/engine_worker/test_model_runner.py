@@ -1,0 +1,157 @@
+"""Tests for engine_worker/model_runner.py: cached decode equals recomputation, batches equal
+their items run alone, and the runner's sizes and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from engine_worker.kv_cache import kv_cache_bytes
+from engine_worker.model.loader import tokenizer_info
+from engine_worker.model_runner import ModelRunner, StepItem
+
+ATOL = RTOL = 1e-4
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 49152, (n,), generator=g).tolist()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+def greedy_check(runner: ModelRunner, prompt: list[int], steps: int, table: list[int]) -> list[int]:
+    """Decode greedily through the cache, checking each step against a full recomputation."""
+    seq = list(prompt)
+    logits = runner.execute([StepItem(prompt, 0, table)])[0]  # (V,)
+    for step in range(steps):
+        ref = runner.forward_full(seq)[-1]  # (V,) recomputed from scratch, no cache
+        assert close(logits, ref), f"step {step}: max diff {(logits - ref).abs().max().item()}"
+        token = int(logits.argmax())
+        assert token == int(ref.argmax()), f"step {step}: cached and recomputed tokens differ"
+        seq.append(token)
+        logits = runner.execute([StepItem([token], len(seq) - 1, table)])[0]
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        [9, 3, 7, 0, 12, 5, 1, 10],  # out of order: a wrong block lookup cannot pass by luck
+        list(range(40, 48)),  # consecutive: read as a view, not gathered
+    ],
+    ids=["scattered", "consecutive"],
+)
+def test_cached_greedy_decode_equals_recompute_tiny(
+    tiny_runner: ModelRunner, table: list[int]
+) -> None:
+    # 8 blocks * 16 = 128 >= 20 + 100 positions
+    out = greedy_check(tiny_runner, random_ids(20, seed=0), 100, table)
+    assert len(out) == 100
+
+
+@pytest.mark.smollm
+def test_cached_greedy_decode_equals_recompute_smollm2(
+    smollm2_runner: ModelRunner, smollm2_dir: Path
+) -> None:
+    info = tokenizer_info(smollm2_dir)
+    tok = Tokenizer.from_str(info.tokenizer_json)
+    text = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prompt = tok.encode(text, add_special_tokens=False).ids
+    out = greedy_check(smollm2_runner, prompt, 32, [4, 2, 6, 1, 3, 0])
+    assert "Paris" in tok.decode(out)
+
+
+def test_mixed_batch_equals_each_item_alone(tiny_runner: ModelRunner) -> None:
+    run = tiny_runner.execute
+    tables = {  # interleaved, out-of-order blocks per sequence
+        "a": [20, 31, 22],
+        "b": [33, 24],
+        "c": [25, 36, 27, 38],
+        "d": [39, 30, 41, 42],
+        "e": [43],
+    }
+    prompts = {
+        k: random_ids(n, seed=i)
+        for i, (k, n) in enumerate([("a", 21), ("b", 5), ("c", 40), ("d", 50), ("e", 12)])
+    }
+    for k in "abc":  # three sequences that will decode, each with a different context length
+        run([StepItem(prompts[k], 0, tables[k])])
+    run([StepItem(prompts["d"][:30], 0, tables["d"])])  # the first chunk of d
+
+    nxt = {k: random_ids(1, seed=10 + i)[0] for i, k in enumerate("abc")}
+    items = [
+        StepItem([nxt["a"]], 21, tables["a"]),
+        StepItem(prompts["d"][30:], 30, tables["d"]),  # d's second chunk, after cached tokens
+        StepItem([nxt["b"]], 5, tables["b"]),
+        StepItem(prompts["e"], 0, tables["e"]),  # a fresh prefill
+        StepItem([nxt["c"]], 40, tables["c"]),
+    ]
+    alone = torch.cat([run([it]) for it in items])  # (5, V)
+    batched = run(items)  # (5, V), rows in the items' order
+    assert batched.shape == alone.shape == (5, tiny_runner.config.vocab_size)
+    for i in range(len(items)):
+        assert close(batched[i], alone[i]), f"item {i}"
+        assert int(batched[i].argmax()) == int(alone[i].argmax())
+    # and the chunked prefill of d equals d's whole prompt recomputed
+    assert close(batched[1], tiny_runner.forward_full(prompts["d"])[-1])
+    assert close(batched[0], tiny_runner.forward_full(prompts["a"] + [nxt["a"]])[-1])
+
+
+def test_bf16_cached_decode_mostly_follows_float32(
+    tiny_dir: Path, tiny_runner: ModelRunner
+) -> None:
+    bf16 = ModelRunner(tiny_dir, dtype=torch.bfloat16, kv_budget_bytes=1 << 20)
+    seq = random_ids(16, seed=5) + random_ids(40, seed=6)
+    ref = tiny_runner.forward_full(seq).argmax(-1)  # (T,) float32 choices
+    table = [3, 0, 2, 1]
+    rows = [bf16.execute([StepItem(seq[:16], 0, table)])]
+    for pos in range(16, len(seq)):  # teacher-forced: the same tokens whatever bf16 picks
+        rows.append(bf16.execute([StepItem([seq[pos]], pos, table)]))
+    logits = torch.cat(rows)  # (41, V)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    agree = (logits.argmax(-1) == ref[15:]).float().mean().item()
+    assert agree >= 0.75, agree
+
+
+def test_sizes_follow_budget_and_checkpoint(tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    from safetensors.torch import load_file
+
+    cfg = tiny_runner.config
+    per_block = kv_cache_bytes(cfg, tiny_runner.block_size, torch.float32)
+    assert tiny_runner.num_blocks == (64 << 20) // per_block
+    assert tiny_runner.kv_cache.nbytes == tiny_runner.num_blocks * per_block
+    # context: the checkpoint's 2048, as the cache holds more
+    assert tiny_runner.max_model_len == 2048 < tiny_runner.kv_cache.capacity_tokens
+    file_bytes = sum(t.nbytes for t in load_file(str(tiny_dir / "model.safetensors")).values())
+    assert tiny_runner.weight_bytes == file_bytes  # tied head counted once, like the file
+
+    small = ModelRunner(tiny_dir, kv_budget_bytes=10 * per_block, block_size=16)
+    assert small.max_model_len == 160  # clamped to what the cache holds
+    assert ModelRunner(tiny_dir, kv_budget_bytes=per_block, max_model_len=8).max_model_len == 8
+    with pytest.raises(ValueError, match="less than one block"):
+        ModelRunner(tiny_dir, kv_budget_bytes=per_block - 1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(tiny_dir, kv_budget_bytes=10 * per_block, max_model_len=161)
+
+
+def test_execute_refuses_bad_items(tiny_runner: ModelRunner) -> None:
+    bad = [
+        [],
+        [StepItem([], 0, [0])],
+        [StepItem([1] * 17, 0, [0])],  # 17 tokens need two blocks
+        [StepItem([1], 2048, list(range(129)))],  # past max_model_len
+        [StepItem([1], 0, [tiny_runner.num_blocks])],  # no such block
+    ]
+    for items in bad:
+        with pytest.raises(ValueError):
+            tiny_runner.execute(items)
