@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         await state.client.start()
         try:
             yield

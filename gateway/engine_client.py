@@ -6,6 +6,9 @@
     handler ──cancel()──▶ the worker that owns the request ──Cancel──▶ worker
     liveness task: a worker silent for heartbeat_timeout_s, or one that says WorkerDying, is
     dropped and each of its requests gets a WorkerLost event, so nothing waits forever.
+    disconnect task: a worker that dies without a word (kill -9, OOM) closes its TCP connection;
+    the socket monitor reports it and a probe finds which worker is gone, within milliseconds
+    instead of a heartbeat timeout.
 
 Every frame is decoded by protocol.codec; one that does not decode is logged and answered with a
 ProtocolError, never raised into the receive loop.
@@ -23,6 +26,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.tokenizer import GatewayTokenizer
 from protocol import codec
@@ -39,6 +43,13 @@ class NoWorkerError(RuntimeError):
 @dataclass(frozen=True)
 class WorkerLost:
     """Event put on a request's queue when its worker died or went silent."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """Event put on every request's queue when the gateway's drain timeout passes."""
 
     reason: str
 
@@ -72,7 +83,8 @@ class RequestHandle:
     def __init__(self, request_id: str, worker: WorkerState) -> None:
         self.request_id = request_id
         self.worker = worker
-        self.events: asyncio.Queue[m.TokenOutput | m.RequestError | WorkerLost] = asyncio.Queue()
+        self.events: asyncio.Queue[m.TokenOutput | m.RequestError | WorkerLost | Stopping] = \
+            asyncio.Queue()
         self.closed = False
 
 
@@ -93,6 +105,7 @@ class EngineClient:
         self.requests: dict[str, RequestHandle] = {}
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self.on_stats: list[Any] = []  # callbacks(worker, stats), for metrics
 
@@ -100,8 +113,10 @@ class EngineClient:
         self._sock = self._ctx.socket(zmq.ROUTER)
         configure_router(self._sock)
         self._sock.bind(self.address)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-receive"),
-                       asyncio.create_task(self._liveness_loop(), name="engine-liveness")]
+                       asyncio.create_task(self._liveness_loop(), name="engine-liveness"),
+                       asyncio.create_task(self._disconnect_loop(), name="engine-disconnects")]
         log.info("engine link bound at %s", self.address)
 
     async def close(self) -> None:
@@ -109,6 +124,9 @@ class EngineClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
+            self._sock.disable_monitor()
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             self._sock.close(linger=0)
         self._ctx.term()
 
@@ -124,6 +142,10 @@ class EngineClient:
     def capacity(self) -> int:
         """Sequences the ready workers can run at once: the default admission limit."""
         return sum(w.hello.max_num_seqs for w in self.ready_workers())
+
+    def serves(self, model_id: str) -> bool:
+        """Whether a ready (not draining) worker serves the model right now."""
+        return any(w.hello.model_id == model_id for w in self.ready_workers())
 
     def model(self, model_id: str) -> ModelEntry | None:
         return self.models.get(model_id)
@@ -147,6 +169,12 @@ class EngineClient:
         self.release(handle)
         if handle.worker.identity in self.workers:
             await self._send(handle.worker.identity, m.Cancel(handle.request_id))
+
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight (the drain timeout passed): each gets a Stopping event,
+        and its Generation's close() then cancels it at its worker."""
+        for handle in list(self.requests.values()):
+            handle.events.put_nowait(Stopping(reason))
 
     def release(self, handle: RequestHandle) -> None:
         """The request is over (finished, failed or cancelled): stop routing frames to it."""
@@ -254,9 +282,25 @@ class EngineClient:
             if model_id not in served:
                 del self.models[model_id]
 
+    async def _disconnect_loop(self) -> None:
+        """A peer's connection closed: find out whether it was a worker, and drop it now."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            # The event does not say which peer. With ROUTER_MANDATORY a send to a peer whose
+            # connection is gone fails at once, so probe each worker with a harmless frame (a
+            # repeated Welcome). Probe twice: the socket may take a moment to retire the pipe.
+            for _ in range(2):
+                for worker in [w for w in self.workers.values() if w.ready]:
+                    if not await self._send(worker.identity, m.Welcome(m.PROTOCOL_VERSION, True)):
+                        self._drop_worker(worker, "its connection closed")
+                await asyncio.sleep(0.1)
+
     async def _liveness_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_timeout_s / 5)
+            await asyncio.sleep(self.heartbeat_timeout_s / 10)  # detected within 1.1x the timeout
             now = time.monotonic()
             for worker in list(self.workers.values()):
                 if worker.ready and now - worker.last_seen > self.heartbeat_timeout_s:

@@ -1,18 +1,23 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, never a stack trace.
 
-Handlers raise `APIError` (or let pydantic's ValidationError escape); `install` maps those, plain
-HTTP errors (404, 405) and any other exception (logged with its trace, answered 500) to that shape.
+Handlers raise `APIError`; `install` maps it and plain HTTP errors (404, 405) to that shape, and
+adds `CatchAll`, which logs any other exception with its trace and answers 500 in that shape.
+Starlette's own handler for `Exception` would answer too, but then re-raise into uvicorn, which
+logs the trace a second time and drops the keep-alive connection: the client's next request on it
+fails with a reset.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("kestrel.gateway")
 
@@ -25,6 +30,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "invalid_request_error",  # nginx's "client closed request": logged, never read
     500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -54,11 +60,41 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                         headers=headers)
 
 
+# pydantic names the member of a union it tried inside `loc` ("str", "list[str]", "TextPart"...):
+# a type, not a field, so it is left out of `param`.
+_UNION_MEMBER = re.compile(r"^([A-Z]\w*|str|int|float|bool|none|[\w-]+\[.*\]|constrained-\w+)$")
+
+
+def _is_member(part: object) -> bool:
+    return isinstance(part, str) and bool(_UNION_MEMBER.match(part))
+
+
+def _path(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not _is_member(p))
+
+
 def validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    message = f"{param}: {first['msg']}" if param else first["msg"]
-    return APIError(422, message, param=param, code="invalid_value")
+    errors = exc.errors(include_url=False)
+    loc, msg = tuple(errors[0]["loc"]), errors[0]["msg"]
+    cut = next((i for i, p in enumerate(loc) if _is_member(p)), None)
+    if cut is not None:
+        # Every member of a union failed. Report the one the value was meant for: a failure that
+        # is not a type mismatch ("less than 4294967296"), else the one that got deepest.
+        prefix = loc[:cut]
+        same = [e for e in errors if tuple(e["loc"][:cut]) == prefix and len(e["loc"]) > cut
+                and _is_member(e["loc"][cut])]
+        meant = [e for e in same if not e["type"].endswith("_type")]
+        if not meant:
+            deepest = max(len(e["loc"]) for e in same)
+            meant = [e for e in same if len(e["loc"]) == deepest]
+        if len(meant) == 1 or not meant[0]["type"].endswith("_type"):
+            loc, msg = tuple(meant[0]["loc"]), meant[0]["msg"]
+        else:
+            loc, msg = prefix, "does not have one of the accepted types"
+    param = _path(loc)
+    msg = msg.removeprefix("Value error, ")
+    return APIError(422, f"{param}: {msg}" if param else msg, param=param or None,
+                    code="invalid_value")
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -74,12 +110,35 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, message, headers=dict(exc.headers or {}))
 
 
-async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error", code="internal_error")
+class CatchAll:
+    """ASGI middleware: any exception below it is logged with its trace and answered 500 in the
+    error shape (if the response has not started; else the connection just ends), never raised
+    into the server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_response(500, "internal server error", code="internal_error")
+                await response(scope, receive, send)
 
 
 def install(app: Starlette) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _unhandled)
+    app.add_middleware(CatchAll)

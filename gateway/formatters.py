@@ -66,6 +66,10 @@ class Formatter:
             raise APIError(400, f"chat template: {exc}", param="messages") from None
         if not ids:
             raise APIError(422, "the prompt has no tokens", param="prompt", code="invalid_value")
+        vocab = model.tokenizer.vocab_size
+        if max(ids) >= vocab:  # only a prompt sent as token ids can fail this
+            raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
+                           param="prompt", code="invalid_token_ids")
         sampling = self.state.make_params(model, len(ids), max_tokens, **params)
         return Prepared(model, ids, sampling, stop,
                         self.state.deadline(arrival, getattr(self.body, "timeout", None)), arrival)

@@ -15,11 +15,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gateway.admission import Slot
 from gateway.detokenize import IncrementalDetokenizer
-from gateway.engine_client import EngineClient, ModelEntry, RequestHandle, WorkerLost
+from gateway.engine_client import EngineClient, ModelEntry, RequestHandle, Stopping, WorkerLost
 from protocol import messages as m
+
+T = TypeVar("T")
 
 
 class EngineFailure(Exception):
@@ -62,6 +65,26 @@ class Timings:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
+
+
+async def _get_before(queue: asyncio.Queue[T], deadline: float) -> T:
+    """The next item, or TimeoutError once `deadline` (monotonic) passes.
+
+    Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation that arrives as the
+    item does, and a request whose client left would go on waiting for frames until its deadline.
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    getter = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait({getter}, timeout=remaining)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if not done:
+        raise TimeoutError
+    return getter.result()
 
 
 @dataclass
@@ -117,11 +140,8 @@ class Generation:
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         assert self.handle is not None
         while any(c.finish_reason is None for c in self.choices):
-            remaining = self.deadline - time.monotonic()
             try:
-                if remaining <= 0:
-                    raise TimeoutError
-                event = await asyncio.wait_for(self.handle.events.get(), remaining)
+                event = await _get_before(self.handle.events, self.deadline)
             except TimeoutError:
                 for i, choice in enumerate(self.choices):
                     if choice.finish_reason is None:
@@ -129,6 +149,8 @@ class Generation:
                         yield ChoiceEvent(i, choice.detok.flush(), [], None, "timeout")
                 await self.close()
                 return
+            if isinstance(event, Stopping):  # still live at the worker: close() cancels it
+                raise EngineFailure(503, event.reason, "shutting_down")
             if isinstance(event, WorkerLost):
                 self._live = False
                 raise EngineFailure(503, f"the worker serving this request was lost "

@@ -1,12 +1,14 @@
 """`kestrel-gateway`: the HTTP front (no torch). Workers join it over ZeroMQ.
 
-On SIGTERM/SIGINT it stops admitting (ready turns 503, new requests get 503), lets in-flight
-requests finish for up to drain_timeout_s, then exits 0.
+On SIGTERM/SIGINT it stops admitting (ready turns 503, new and queued requests get 503), lets
+in-flight requests finish for up to drain_timeout_s, ends those still running with a 503 in their
+own shape (GatewayState.begin_drain), then exits 0.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import uvicorn
@@ -17,19 +19,30 @@ from protocol.jsonlog import setup_logging
 from protocol.settings import parse_settings
 
 log = logging.getLogger("kestrel.gateway")
+DRAIN_BACKSTOP_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the app to refuse new work as soon as a signal arrives."""
+    """uvicorn's server, telling the app to refuse new work as soon as a signal arrives.
+
+    uvicorn closes its listener at once, asks idle keep-alive connections to close, then waits up
+    to `timeout_graceful_shutdown` for the requests in flight (SSE streams included: uvicorn never
+    tells them the client left) before it cancels them and runs the lifespan shutdown. Requests
+    that still reach the app meanwhile (on a connection that was mid-request) get 503.
+    """
 
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
         self._app = app
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self._app.state.gateway.draining = True
+        self._app.state.gateway.begin_drain()
         log.info("signal %d: draining in-flight requests, then exiting", sig)
-        super().handle_exit(sig, frame)
+        # Not super().handle_exit: it records the signal, and after the shutdown uvicorn raises
+        # it again with the default handler, so a clean drain would end with status -15, not 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
+        self.should_exit = True
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -41,9 +54,12 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
 def run(cfg: GatewayConfig) -> None:
     setup_logging(cfg.log_level)
     app = create_app(cfg)
+    # The app ends its own requests at drain_timeout_s (cleanly: an error response or event);
+    # uvicorn's own limit, which cancels handlers mid-write, is only a backstop. A float on
+    # purpose: uvicorn hands it to asyncio.wait_for, and int() would turn 0.5 s into 0.
+    drain: Any = cfg.drain_timeout_s + DRAIN_BACKSTOP_S
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=int(cfg.drain_timeout_s),
-                            lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=drain, lifespan="on")
     DrainingServer(config, app).run()
 
 

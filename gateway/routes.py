@@ -7,6 +7,7 @@ collecting, disconnects, deadlines, errors, and the final record.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -22,6 +23,7 @@ from gateway.service import GatewayState
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
 
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("kestrel.gateway")
 
 
 async def run_route(request: Request, route: str) -> Response:
@@ -34,16 +36,36 @@ async def run_route(request: Request, route: str) -> Response:
         state.guard(request)
         body = state.parse(fmt_cls.schema, await state.read_json(request))
         fmt = fmt_cls(state, body)
-        prep = await fmt.prepare(arrival)
-        gen = await state.start(prep)
+
+        async def admit() -> Generation:
+            return await state.start(await fmt.prepare(arrival))
+
+        # A client that leaves while its request waits in the queue gives its place back now,
+        # not when the request would have reached a worker.
+        started = await until_disconnect(request.receive, admit(), _nothing, _close)
+        if started is None:
+            state.record(route, 499, None, arrival, request_id, "aborted")
+            return Response(status_code=499)
+        gen = started
     except APIError as exc:
         state.record(route, exc.status, None, arrival, request_id)
         exc.headers = {**exc.headers, **headers}
+        raise
+    except Exception:  # a bug: errors.CatchAll logs it and answers 500
+        state.record(route, 500, None, arrival, request_id)
         raise
     fmt.bind(gen)
     if fmt.stream:
         return _stream(state, route, fmt, gen, arrival, request_id, headers)
     return await _collect(state, request, route, fmt, gen, arrival, request_id, headers)
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _close(gen: Generation) -> None:
+    await gen.close()
 
 
 def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation, arrival: float,
@@ -68,6 +90,12 @@ def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation, ar
         except EngineFailure as exc:
             outcome["status"] = exc.status
             yield sse_event(error_body(exc.status, exc.message, code=exc.code))
+        except Exception:
+            # A bug, after the 200 went out: log the trace, tell the client in the stream's
+            # error shape (never the trace), and still end with [DONE].
+            log.exception("unhandled error in a %s stream", route)
+            outcome["status"] = 500
+            yield sse_event(error_body(500, "internal server error", code="internal_error"))
         finally:
             with anyio.CancelScope(shield=True):
                 await gen.close()
@@ -100,6 +128,9 @@ async def _collect(state: GatewayState, request: Request, route: str, fmt: Forma
     except EngineFailure as exc:
         status = exc.status
         return error_response(exc.status, exc.message, code=exc.code, headers=headers)
+    except Exception:  # a bug: errors.CatchAll logs it and answers 500
+        status = 500
+        raise
     finally:
         await gen.close()
         state.record(route, status, gen, arrival, request_id, finish)

@@ -3,16 +3,26 @@
 Static bounds live on the fields; the limits that are settings (prompt characters, the max_tokens
 cap) are checked by `check_limits` with the gateway's config. Unknown fields are ignored, as
 OpenAI clients expect. Validation happens before anything is tokenized or queued.
+
+An absent max_tokens (max_new_tokens) means "as many as the cap and the model's context allow"
+(`GatewayState.make_params`): a fixed default such as OpenAI's 16 could exceed a smaller
+configured cap and turn a request that asked for nothing into a 422.
+Integers that travel to the worker are bounded here to what msgpack carries (64 bits), so a huge
+number is a 422, never an encoding error.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 8
 MAX_LOGPROBS = 5
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+TOKEN_ID = Annotated[int, Field(ge=0, lt=2**32)]  # the model's vocabulary is checked later
+SEED = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]  # the sampler masks it to 64 bits
+TOP_K = Annotated[int, Field(ge=-1, lt=2**31)]
 
 
 class RequestLimitError(ValueError):
@@ -31,16 +41,34 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by every generation route."""
+class _StopField(_Strict):
+    stop: str | list[str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class _SamplingFields(_StopField):
+    """Fields shared by the OpenAI routes."""
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1  # extension; -1 or 0: off
+    top_k: TOP_K = -1  # extension; -1 or 0: off
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: SEED | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -49,28 +77,14 @@ class _SamplingFields(_Strict):
     timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _check_stop(self) -> _SamplingFields:
-        stops = self.stop_list()
-        if len(stops) > 4:
-            raise ValueError("stop: at most 4 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop: stop sequences must not be empty")
-        return self
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: str | list[str] | list[TOKEN_ID]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -108,24 +122,18 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_StopField):
     """The native API: POST /v1/generate and /v1/generate/stream."""
 
     prompt: str
     model: str | None = None
-    max_new_tokens: Annotated[int, Field(ge=1)] = 64
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    top_k: TOP_K = -1
+    seed: SEED | None = None
     ignore_eos: bool = False
     timeout: Annotated[float, Field(gt=0.0)] | None = None
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 def check_limits(prompt_chars: int, max_tokens: int | None, *, max_prompt_chars: int,

@@ -11,14 +11,16 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from gateway.admission import Admission, QueueFull
+from gateway.admission import Admission, QueueClosed, QueueFull
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ModelEntry, NoWorkerError, new_request_id
 from gateway.errors import APIError, validation_error
@@ -29,6 +31,23 @@ from protocol import messages as m
 
 log = logging.getLogger("kestrel.gateway.requests")
 M = TypeVar("M", bound=BaseModel)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 @dataclass
@@ -50,6 +69,7 @@ class GatewayState:
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())
         self.metrics.in_flight.set_function(lambda: self.admission.outstanding)
         self.metrics.waiting.set_function(lambda: self.admission.waiting)
@@ -61,6 +81,22 @@ class GatewayState:
     @property
     def ready(self) -> bool:
         return self.client.ready and not self.draining and not self.admission.queue_full
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work at once (this may run in a signal handler, so the rest is
+        handed to the loop): fail the queued requests, and when drain_timeout_s has passed,
+        end what still runs with a 503 in its own shape (a stream's error event, then [DONE])."""
+        if self.draining:  # a second signal: the drain is already under way
+            return
+        self.draining = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self.admission.reject_waiters()
+        asyncio.get_running_loop().call_later(
+            self.cfg.drain_timeout_s, self.client.fail_all,
+            "the server is shutting down and its drain timeout has passed")
 
     # ---- before ------------------------------------------------------------------------------
 
@@ -83,8 +119,11 @@ class GatewayState:
         client = key or (request.client.host if request.client else "unknown")
         wait = self.limiter.take(client)
         if wait > 0:
+            # Retry-After is whole seconds (HTTP); retry-after-ms, which OpenAI's clients read
+            # first, carries the bucket's exact refill time.
             raise APIError(429, "rate limit exceeded for this client", code="rate_limited",
-                           headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+                           headers={"Retry-After": str(max(1, math.ceil(wait))),
+                                    "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
 
     async def read_json(self, request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -92,16 +131,27 @@ class GatewayState:
             raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
                            code="body_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.cfg.max_body_bytes:
-                raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.cfg.max_body_bytes:
+                    raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
+                                   code="body_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # an ordinary event, not a bug: no trace in the log
+            raise APIError(499, "the client left while sending its body",
+                           code="client_closed") from None
+        raw = b"".join(chunks)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        # json accepts an escaped lone surrogate ("\ud800"), which is no Unicode text: the
+        # tokenizer and the UTF-8 encoder would fail on it deep inside the request.
+        if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+            raise APIError(400, "the body is not valid JSON: a string has a lone UTF-16 surrogate",
+                           code="invalid_json")
+        return data
 
     def parse(self, cls: type[M], data: Any) -> M:
         if not isinstance(data, dict):
@@ -149,15 +199,28 @@ class GatewayState:
         return arrival + seconds
 
     async def start(self, prep: Prepared) -> Generation:
+        """Admit (429 at once when full; 504 if the deadline passes in the queue), then send to a
+        worker (503 without one). Cancellable: a client that leaves meanwhile frees its place."""
+        if self.draining:  # checked again: a request may have been reading its body at SIGTERM
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if not self.client.serves(prep.model.model_id):
+            # Its workers are draining or gone: waiting in the queue would only end in a 503 (or
+            # a 504) later, and the admission limit, sized from ready workers, would be 1.
+            raise APIError(503, f"no ready worker serves {prep.model.model_id!r}",
+                           code="no_worker")
+        remaining = prep.deadline - time.monotonic()
         try:
-            slot = await asyncio.wait_for(self.admission.acquire(),
-                                          max(0.0, prep.deadline - time.monotonic()))
+            if remaining <= 0:
+                raise TimeoutError
+            slot = await self.admission.acquire(remaining)
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) \
                 from None
         except TimeoutError:
             raise APIError(504, "the request's deadline passed while it was queued",
                            code="timeout") from None
+        except QueueClosed:
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
         gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
                          prep.stop, prep.deadline, prep.arrival, slot)
         try:
@@ -165,6 +228,9 @@ class GatewayState:
         except NoWorkerError as exc:
             await gen.close()
             raise APIError(503, str(exc), code="no_worker") from None
+        except asyncio.CancelledError:
+            await asyncio.shield(gen.close())  # frees the slot; stops the work if it was sent
+            raise
         gen.timings.scheduled = time.monotonic()
         return gen
 

@@ -72,9 +72,11 @@ class SSEResponse:
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T],
-                           on_disconnect: Callable[[], Awaitable[None]]) -> T | None:
+                           on_disconnect: Callable[[], Awaitable[None]],
+                           on_abandoned: Callable[[T], Awaitable[None]] | None = None) -> T | None:
     """Await `work`; if the client disconnects first, cancel it, run `on_disconnect`, return
-    None (nobody is listening for the answer)."""
+    None (nobody is listening for the answer). If `work` still produced a result (it finished
+    as it was cancelled), that result goes to `on_abandoned`, which must release it."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
@@ -84,6 +86,8 @@ async def until_disconnect(receive: Receive, work: Awaitable[T],
         task.cancel()
         await on_disconnect()
         await asyncio.gather(task, return_exceptions=True)
+        if on_abandoned is not None and not task.cancelled() and task.exception() is None:
+            await on_abandoned(task.result())
         return None
     finally:
         watcher.cancel()

@@ -1,0 +1,164 @@
+"""gateway/schemas.py: OpenAI's types, strictly; the bounds; the configured limits; and how a
+violation is named in the 422 (gateway/errors.validation_error). Also how parsed values become
+the limits a request runs under (GatewayState.make_params and deadline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, validation_error
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestLimitError,
+    check_limits,
+)
+from gateway.service import GatewayState
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def rejected(cls: type[BaseModel], body: dict[str, Any]) -> APIError:
+    with pytest.raises(ValidationError) as exc:
+        cls.model_validate(body)
+    err = validation_error(exc.value)
+    assert err.status == 422 and err.code == "invalid_value"
+    return err
+
+
+def test_minimal_bodies_and_their_defaults() -> None:
+    c = CompletionRequest.model_validate({"prompt": "hi"})
+    assert (c.max_tokens, c.temperature, c.top_p, c.n, c.stream) == (None, 1.0, 1.0, 1, False)
+    chat = ChatCompletionRequest.model_validate(CHAT)
+    assert chat.requested_max_tokens() is None
+    assert GenerateRequest.model_validate({"prompt": "hi"}).max_new_tokens is None
+
+
+def test_unknown_fields_are_ignored() -> None:
+    c = CompletionRequest.model_validate({"prompt": "hi", "logit_bias": {"1": 2}, "zzz": [1]})
+    assert not hasattr(c, "zzz")
+    ChatCompletionRequest.model_validate({**CHAT, "tools": [], "response_format": {}})
+    GenerateRequest.model_validate({"prompt": "hi", "stream": "anything"})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", "5"), ("max_tokens", 5.0), ("max_tokens", True), ("max_tokens", 0),
+    ("temperature", "1"), ("temperature", True), ("temperature", 2.01), ("temperature", -0.1),
+    ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", 0), ("top_p", 1.01), ("top_p", float("nan")),
+    ("n", 0), ("n", 9), ("stream", "true"), ("stream", 1), ("echo", 0),
+    ("logprobs", 6), ("logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("top_k", -2), ("top_k", 2**31),
+    ("timeout", 0), ("timeout", -1), ("timeout", float("nan")), ("timeout", "5"),
+    ("model", 3), ("user", 3), ("stream_options", {"include_usage": "yes"}),
+    ("stop", ""), ("stop", ["a", ""]), ("stop", ["a"] * 5), ("stop", [1]), ("stop", 1),
+])
+def test_out_of_range_and_wrongly_typed_fields_are_named(field: str, value: Any) -> None:
+    err = rejected(CompletionRequest, {"prompt": "hi", field: value})
+    assert err.param is not None and err.param.split(".")[0] == field
+    assert err.message.startswith(err.param + ": ")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", 0), ("temperature", 2), ("temperature", 1), ("top_p", 1), ("top_p", 1e-9),
+    ("n", 8), ("logprobs", 0), ("logprobs", 5), ("seed", -(2**63)), ("seed", 2**64 - 1),
+    ("top_k", -1), ("top_k", 0), ("timeout", 1e-3), ("stop", ["a", "b", "c", "d"]),
+    ("stop", None), ("max_tokens", None), ("presence_penalty", -2), ("user", None),
+])
+def test_values_at_the_edges_are_accepted(field: str, value: Any) -> None:
+    CompletionRequest.model_validate({"prompt": "hi", field: value})
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({}, "prompt", "required"),
+    ({"prompt": 5}, "prompt", "accepted types"),
+    ({"prompt": [[1]]}, "prompt", "accepted types"),
+    ({"prompt": [2**40]}, "prompt.0", "less than"),
+    ({"prompt": [-1]}, "prompt.0", "greater than"),
+    ({"prompt": ["a", 1]}, "prompt", "accepted types"),  # neither a list of texts nor of ids
+])
+def test_a_prompt_is_text_texts_or_token_ids(body: dict, param: str, says: str) -> None:
+    err = rejected(CompletionRequest, body)
+    assert err.param == param and says in err.message
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([], "messages"),
+    ("hi", "messages"),
+    ([{"content": "hi"}], "messages.0.role"),
+    ([{"role": "robot", "content": "hi"}], "messages.0.role"),
+    ([{"role": "user", "content": 5}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages.0.content.0.text"),
+    ([{"role": "user", "content": [{"type": "image_url", "text": "x"}]}],
+     "messages.0.content.0.type"),
+])
+def test_chat_messages(messages: Any, param: str) -> None:
+    assert rejected(ChatCompletionRequest, {"messages": messages}).param == param
+
+
+def test_chat_content_may_be_text_parts_and_max_completion_tokens_wins() -> None:
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "system", "content": None},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_tokens": 5, "max_completion_tokens": 7})
+    assert chat.messages[1].text() == "ab" and chat.messages[0].text() == ""
+    assert chat.requested_max_tokens() == 7
+
+
+def test_the_native_request_is_as_strict() -> None:
+    assert rejected(GenerateRequest, {"prompt": [1, 2]}).param == "prompt"
+    assert rejected(GenerateRequest, {"prompt": "hi", "max_new_tokens": 0}).param == \
+        "max_new_tokens"
+    assert rejected(GenerateRequest, {"prompt": "hi", "stop": ""}).param == "stop"
+    assert rejected(GenerateRequest, {"prompt": "hi", "seed": 2**70}).param == "seed"
+
+
+# ---- the configured limits ----------------------------------------------------------------
+
+def test_check_limits() -> None:
+    check_limits(5, None, max_prompt_chars=5, max_tokens_cap=4)
+    check_limits(1, 4, max_prompt_chars=5, max_tokens_cap=4)
+    for chars, max_tokens, param in [(0, 1, "prompt"), (6, 1, "prompt"), (1, 5, "max_tokens")]:
+        with pytest.raises(RequestLimitError) as exc:
+            check_limits(chars, max_tokens, max_prompt_chars=5, max_tokens_cap=4)
+        assert exc.value.param == param
+
+
+class _Hello:
+    max_model_len = 100
+
+
+class _Model:
+    hello = _Hello()
+
+
+@pytest.fixture
+def gw_state() -> GatewayState:
+    return GatewayState(GatewayConfig(max_tokens_cap=30, default_timeout_s=10))
+
+
+def test_absent_max_tokens_means_the_cap_or_what_the_context_leaves(gw_state: Any) -> None:
+    assert gw_state.make_params(_Model(), 10, None).max_tokens == 30
+    assert gw_state.make_params(_Model(), 95, None).max_tokens == 5
+    assert gw_state.make_params(_Model(), 10, 20).max_tokens == 20
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(100, None), (90, 11), (1, 100)])
+def test_beyond_the_context_is_a_400(gw_state: Any, prompt_len: int,
+                                     max_tokens: int | None) -> None:
+    with pytest.raises(APIError) as exc:
+        gw_state.make_params(_Model(), prompt_len, max_tokens)
+    assert exc.value.status == 400 and exc.value.code == "context_length_exceeded"
+
+
+def test_a_client_timeout_may_only_shorten_the_default_deadline(gw_state: Any) -> None:
+    assert gw_state.deadline(50.0, None) == 60.0
+    assert gw_state.deadline(50.0, 2.5) == 52.5
+    assert gw_state.deadline(50.0, 1e9) == 60.0
+    assert gw_state.deadline(50.0, float("inf")) == 60.0
