@@ -206,11 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     path = resolve_checkpoint(args.model, cache)
     runner = ModelRunner(
-        path, dtype=getattr(torch, args.dtype), device=args.device, kv_budget_bytes=1 << 30
+        path,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        kv_budget_bytes=1 << 30,
+        num_threads=args.threads,
     )
     nblk = -(-(args.prompt + args.steps) // runner.block_size)
     for b in (int(x) for x in args.batch.split(",")):
