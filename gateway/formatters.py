@@ -115,8 +115,8 @@ class Formatter:
         raise NotImplementedError
 
     def stream_end(self) -> list[dict[str, Any]]:
-        if getattr(self.body, "include_usage", False):
-            return [self._chunk([], usage=self.usage())]
+        if getattr(self.body, "include_usage", False):  # the last chunk: it carries timings too
+            return [self._chunk([], usage=self.usage(), timings=self.timings())]
         return []
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -269,8 +269,10 @@ class NativeFormatter(Formatter):
 
     def response(self) -> dict[str, Any]:
         assert self.gen is not None
+        timings = self.timings()  # flat (the native API's own) and as every route's `timings`
         return {"id": self.id, "model": self.gen.model.model_id, "text": self.text(0),
-                "finish_reason": self.gen.finish_reasons[0], **self._counts(), **self.timings()}
+                "finish_reason": self.gen.finish_reasons[0], **self._counts(), **timings,
+                "timings": timings}
 
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         assert self.gen is not None
@@ -279,7 +281,9 @@ class NativeFormatter(Formatter):
             self._sent_first = True
             out["ttft_ms"] = self.timings()["ttft_ms"]
         if event.finish_reason is not None:
-            out.update(finish_reason=event.finish_reason, **self._counts(), **self.timings())
+            timings = self.timings()
+            out.update(finish_reason=event.finish_reason, **self._counts(), **timings,
+                       timings=timings)
         return [out]
 
     _sent_first = False

@@ -31,6 +31,8 @@ from protocol import messages as m
 
 log = logging.getLogger("kestrel.gateway.requests")
 M = TypeVar("M", bound=BaseModel)
+# The finish reason an error status implies, whatever the choices said before it.
+_STATUS_FINISH = {429: "rejected", 499: "aborted", 504: "timeout"}
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -231,43 +233,58 @@ class GatewayState:
         except asyncio.CancelledError:
             await asyncio.shield(gen.close())  # frees the slot; stops the work if it was sent
             raise
-        gen.timings.scheduled = time.monotonic()
         return gen
 
     # ---- after --------------------------------------------------------------------------------
 
     def record(self, route: str, status: int, gen: Generation | None, arrival: float,
                request_id: str, finish: str | None = None) -> None:
-        """One request ended: metrics and one structured log line."""
+        """One request ended, by any exit (answered, rejected, refused, aborted, timed out, its
+        worker lost): count it, observe its timings, write one structured log line. `finish`
+        is the route's word (aborted, timeout) where the choices' own reasons do not say it."""
         now = time.monotonic()
-        reasons = [r for r in (gen.finish_reasons if gen else []) if r]
-        finish = finish or (reasons[0] if reasons else ("rejected" if status == 429 else
-                                                        "error" if status >= 400 else "none"))
+        finish = finish or _finish_reason(status, gen)
         mx = self.metrics
         mx.requests.labels(route, str(status), finish).inc()
-        mx.e2e.observe(now - arrival)
-        fields: dict[str, Any] = {"event": "request_end", "request_id": request_id,
-                                  "route": route, "status": status, "finish_reason": finish,
-                                  "total_ms": round((now - arrival) * 1000, 2)}
-        if gen is not None:
+        fields: dict[str, Any] = {
+            "event": "request_end", "request_id": request_id, "route": route, "status": status,
+            "finish_reason": finish, "tokens_in": None, "tokens_out": None, "queue_wait_ms": None,
+            "gateway_wait_ms": None, "ttft_ms": None, "tpot_ms": None,
+            "total_ms": _ms(now - arrival), "worker": None, "engine_request_id": None}
+        if gen is not None:  # it was admitted: it may have reached a worker
             t = gen.timings
+            mx.e2e.observe(now - arrival)
             mx.prompt_tokens.inc(gen.prompt_tokens)
             mx.generation_tokens.inc(gen.completion_tokens)
-            for gap in t.gaps:
-                mx.itl.observe(gap)
             mx.prompt_len.observe(gen.prompt_tokens)
             mx.gen_len.observe(gen.completion_tokens)
-            if t.scheduled is not None:
-                mx.queue_wait.observe(t.scheduled - arrival)
-            if t.first_token is not None:
-                mx.ttft.observe(t.first_token - arrival)
-            timings = t.as_dict(gen.completion_tokens)
-            if timings["tpot_ms"] is not None:
-                mx.tpot.observe(timings["tpot_ms"] / 1000)
+            for gap in t.gaps:
+                mx.itl.observe(gap)
+            queue_wait, tpot = t.queue_wait, t.tpot()
+            ttft = None if t.first_token is None else t.first_token - arrival
+            for histogram, value in ((mx.queue_wait, queue_wait), (mx.ttft, ttft),
+                                     (mx.tpot, tpot)):
+                if value is not None:
+                    histogram.observe(value)
             fields.update(
                 tokens_in=gen.prompt_tokens, tokens_out=gen.completion_tokens,
-                queue_wait_ms=None if t.scheduled is None else round((t.scheduled - arrival) * 1000,
-                                                                     2),
-                ttft_ms=timings["ttft_ms"], engine_request_id=gen.request_id,
-                worker=gen.handle.worker.name if gen.handle else None)
+                queue_wait_ms=_ms(queue_wait), ttft_ms=_ms(ttft), tpot_ms=_ms(tpot),
+                # the part of the queue wait spent in the gateway's own admission queue
+                gateway_wait_ms=None if t.sent is None else _ms(t.sent - arrival),
+                engine_request_id=gen.request_id,
+                worker=gen.handle.worker.hello.worker_id if gen.handle else None)
         log.info("request ended", extra={"fields": fields})
+
+
+def _finish_reason(status: int, gen: Generation | None) -> str:
+    if status in _STATUS_FINISH:
+        return _STATUS_FINISH[status]
+    if status >= 400:
+        return "error"
+    reasons = [r for r in (gen.finish_reasons if gen else []) if r]
+    reason = reasons[0] if reasons else "none"
+    return "aborted" if reason == "abort" else reason  # the worker's word for it
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

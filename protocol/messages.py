@@ -60,6 +60,10 @@ class Stats:
     preemptions: int = 0  # cumulative
     generated_tokens: int = 0  # cumulative, aborted requests' included
     prompt_tokens: int = 0  # cumulative
+    # Speculative decoding will feed these (cumulative draft tokens proposed / accepted); until
+    # then they stay 0, and the gateway exports them so dashboards need no change later.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,10 @@ class TokenOutput:
     # One entry per new token: [token_id, logprob, [[top_id, top_logprob], ...]]
     logprobs: list[list] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # On a request's first token frame only: seconds from the start of the engine step that
+    # first scheduled the request to the sending of this frame. The gateway subtracts it from
+    # its time to first token to get the queue wait (arrival to first scheduled).
+    since_scheduled_s: float | None = None
 
 
 @dataclass(frozen=True)
