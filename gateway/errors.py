@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -113,7 +114,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 class CatchAll:
     """ASGI middleware: any exception below it is logged with its trace and answered 500 in the
     error shape (if the response has not started; else the connection just ends), never raised
-    into the server."""
+    into the server. It also gives every request an id (the client's X-Request-ID or a new one,
+    in `request.state.request_id`) and returns it on every response, errors included."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -123,10 +125,18 @@ class CatchAll:
             await self.app(scope, receive, send)
             return
         started = False
+        request_id = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                           if k == b"x-request-id" and v), None) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
 
         async def watch(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -135,7 +145,7 @@ class CatchAll:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 response = error_response(500, "internal server error", code="internal_error")
-                await response(scope, receive, send)
+                await response(scope, receive, watch)
 
 
 def install(app: Starlette) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 import anyio
@@ -29,7 +28,7 @@ log = logging.getLogger("kestrel.gateway")
 async def run_route(request: Request, route: str) -> Response:
     state: GatewayState = request.app.state.gateway
     arrival = time.monotonic()
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request.state.request_id  # set by errors.CatchAll, returned on every response
     headers = {"X-Request-ID": request_id}
     fmt_cls: type[Formatter] = FORMATTERS[route]
     try:

@@ -63,7 +63,7 @@ def status(gw: GatewayProc, path: str) -> int:
 
 
 class Stream(threading.Thread):
-    """One streamed request read on its own thread: when its first event came, every line, and
+    """One streamed request read on its own thread: when its first token event came, every line, and
     when it ended."""
 
     def __init__(self, gw: GatewayProc, route: str, body: dict[str, Any]) -> None:
@@ -80,7 +80,8 @@ class Stream(threading.Thread):
             for line in resp.iter_lines():
                 if line:
                     self.lines.append(line)
-                    self.first.set()
+                    if '"role"' not in line:  # chat's role chunk comes before any token
+                        self.first.set()
         self.ended_at = time.monotonic()
         self.first.set()
 

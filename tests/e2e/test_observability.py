@@ -170,6 +170,17 @@ def test_errors_carry_the_request_id_and_are_counted_and_logged(tiny_server: Any
 
 # ---- the exits: aborted, rejected, timed out, worker lost ---------------------------------------
 
+def test_every_response_carries_a_request_id(tiny_server: Any) -> None:
+    gw, _ = tiny_server
+    for method, path in [("GET", "/health"), ("GET", "/health/live"), ("GET", "/v1/models"),
+                         ("GET", "/metrics"), ("GET", "/no/such/route"),
+                         ("DELETE", "/v1/completions")]:
+        given = httpx.request(method, gw.base_url + path, headers={"X-Request-ID": "rid-42"})
+        assert given.headers["x-request-id"] == "rid-42", path
+        made = httpx.request(method, gw.base_url + path)
+        assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"]), path
+
+
 @pytest.fixture(scope="module")
 def single(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]:
     with GatewayProc("--max-outstanding", "1", "--max-queue", "0") as gw, \
