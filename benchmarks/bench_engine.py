@@ -93,7 +93,7 @@ ROWS = {"ours": row_ours, "hf": row_hf, "nokv": row_nokv}
 
 def run_row(kind: str, batch: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--row", f"{kind}:{batch}", "--model", args.model,
-           "--prompt", str(args.prompt), "--new", str(args.new)]
+           "--prompt", str(args.prompt), "--new", str(args.new), "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batches", default="1,4,8,16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--row", help="internal: run one row, print JSON")
     args = ap.parse_args()
     from engine_worker.model.loader import resolve_checkpoint
@@ -111,6 +112,10 @@ def main() -> None:
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     path = resolve_checkpoint(args.model, cache)
     if args.row:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         kind, batch = args.row.split(":")
         tps = ROWS[kind](path, int(batch), args.prompt, args.new)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -125,8 +130,9 @@ def main() -> None:
     ours1 = next(r["tokens_per_s"] for r in rows if r["kind"] == "ours" and r["batch"] == 1)
     names = {"ours": "kestrel engine", "hf": "transformers generate()",
              "nokv": "kestrel, no KV cache (recompute)"}
+    threads = args.threads or "default"
     print(f"prompt {args.prompt} tokens, {args.new} new tokens, greedy, float32, "
-          f"{os.cpu_count()} CPUs\n")
+          f"{os.cpu_count()} CPUs, torch threads: {threads}\n")
     print("| engine | concurrency | output tok/s | vs generate() same batch | vs our batch 1 "
           "| peak RSS MB |")
     print("|---|---|---|---|---|---|")

@@ -29,7 +29,10 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512,1024")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--png", default="benchmarks/results/kv_vs_recompute.png")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=512 << 20)
     lengths = [int(x) for x in args.lengths.split(",")]

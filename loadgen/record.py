@@ -49,7 +49,9 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.error is None
+        # A stream that ended on its deadline (finish_reason "timeout") did not deliver what was
+        # asked: it counts as a failure, not as a completed request.
+        return self.status == 200 and self.error is None and self.finish_reason != "timeout"
 
     @property
     def failed(self) -> bool:

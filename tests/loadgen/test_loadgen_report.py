@@ -157,3 +157,12 @@ def test_outputs_table_json_markdown(tmp_path: Path) -> None:
     assert both.index("## Run A") < both.index("## Run B")
     write_markdown(path, markdown_section(s, "Run C"), append=False)
     assert "Run A" not in path.read_text() and "Run C" in path.read_text()
+
+
+def test_a_stream_that_ended_on_its_deadline_is_a_failure_not_a_completion() -> None:
+    from loadgen.record import RequestRecord
+
+    timed_out = RequestRecord(index=0, scheduled_s=0.0, status=200, finish_reason="timeout")
+    finished = RequestRecord(index=1, scheduled_s=0.0, status=200, finish_reason="length")
+    assert timed_out.failed and not timed_out.ok and not timed_out.rejected
+    assert finished.ok
