@@ -9,6 +9,8 @@ from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 def default_cache_dir() -> str:
@@ -27,6 +29,10 @@ class WorkerConfig:
     cache_dir: str = setting(default_cache_dir(), "where converted checkpoints are kept")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1 ...")
     dtype: str = setting("float32", "weights and activations dtype: " + ", ".join(DTYPES))
+    quantization: str = setting("none", "weight-only quantization: none, int8 (per output "
+                                "channel) or int4 (group-wise, packed)")
+    quant_group_size: int = setting(32, "INT4 group size: 32, 64 or 128; a layer whose input "
+                                    "width it does not divide uses the largest that does")
     kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
     block_size: int = setting(16, "tokens per KV cache block")
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
@@ -44,6 +50,11 @@ class WorkerConfig:
             raise ValueError(f"gateway_address must be a ZeroMQ address: {self.gateway_address!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"not {self.quantization!r}")
+        if self.quant_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(f"quant_group_size must be one of {QUANT_GROUP_SIZES}")
         positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -163,6 +163,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         tokenizer=tokenizer_info(checkpoint),
         device=str(runner.device),
         dtype=cfg.dtype,
+        quantization=cfg.quantization,
         weight_bytes=runner.weight_bytes,
     )
 
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_budget_bytes=cfg.kv_cache_mb * 2**20,
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len or None,
+        quantization=cfg.quantization,
+        group_size=cfg.quant_group_size,
     )
     engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,

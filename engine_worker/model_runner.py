@@ -23,6 +23,7 @@ import torch
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model.llama import AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
+from engine_worker.quant import QuantReport, quantize_model, weight_bytes
 
 
 @dataclass
@@ -46,6 +47,8 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        quantization: str = "none",
+        group_size: int = 32,
     ) -> None:
         if num_threads is not None:
             # Process-wide by nature; torch's default (one per physical core) is usually right.
@@ -70,10 +73,15 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model = load_model(Path(model_path), dtype, self.device, max_positions=max_model_len)
+        # Weight-only INT8/INT4 module swaps (engine_worker/quant.py); "none" changes nothing.
+        # INT4 keeps the (tied) LM head in float: round-to-nearest INT4 on the head turns
+        # SmolLM2's "The capital of France is Paris." into "L'Étoile, ..." (tests/e2e).
+        self.quant: QuantReport = quantize_model(self.model, quantization, group_size,
+                                                 lm_head=quantization != "int4")
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
-        # parameters() yields a tied embedding once, so it is counted once
-        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        # parameters and quantized buffers; a tied embedding (shared tensor) counted once
+        self.weight_bytes = weight_bytes(self.model)
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
