@@ -75,15 +75,14 @@ class WorkerLoop:
                     return 0
 
     def _drain_inbound(self, block: bool) -> None:
-        timeout = 0.05 if block else None
-        while True:
-            try:
-                msg = self.link.inbound.get(timeout=timeout) if timeout else \
-                    self.link.inbound.get_nowait()
-            except queue.Empty:
-                return
-            timeout = None
-            self._handle(msg)
+        """Handle every queued message; when idle, first wait up to 50 ms for one."""
+        try:
+            msg = self.link.inbound.get(timeout=0.05) if block else self.link.inbound.get_nowait()
+            while True:
+                self._handle(msg)
+                msg = self.link.inbound.get_nowait()
+        except queue.Empty:
+            return
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, m.Generate):

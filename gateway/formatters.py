@@ -27,7 +27,7 @@ from gateway.tokenizer import ChatTemplateError
 
 class Formatter:
     schema: ClassVar[type[BaseModel]]
-    object_name: ClassVar[str] = ""
+    chunk_object: ClassVar[str] = ""  # the "object" of a stream chunk
 
     def __init__(self, state: GatewayState, body: Any) -> None:
         self.state = state
@@ -36,6 +36,7 @@ class Formatter:
         self.gen: Generation | None = None
         self.texts: list[list[str]] = []
         self.logprobs: list[list[list]] = []
+        self.sent_first_token = False  # the native stream puts ttft_ms on its first token
 
     @property
     def stream(self) -> bool:
@@ -123,8 +124,6 @@ class Formatter:
         assert self.gen is not None
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.gen.model.model_id, "choices": choices, **extra}
-
-    chunk_object: ClassVar[str] = ""
 
     def _final_extras(self, event: ChoiceEvent) -> dict[str, Any]:
         if event.finish_reason is None:
@@ -277,16 +276,14 @@ class NativeFormatter(Formatter):
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         assert self.gen is not None
         out: dict[str, Any] = {"text": event.text, "token_ids": event.token_ids}
-        if self.gen.timings.first_token is not None and not self._sent_first:
-            self._sent_first = True
+        if self.gen.timings.first_token is not None and not self.sent_first_token:
+            self.sent_first_token = True
             out["ttft_ms"] = self.timings()["ttft_ms"]
         if event.finish_reason is not None:
             timings = self.timings()
             out.update(finish_reason=event.finish_reason, **self._counts(), **timings,
                        timings=timings)
         return [out]
-
-    _sent_first = False
 
 
 class NativeStreamFormatter(NativeFormatter):
