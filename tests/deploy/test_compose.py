@@ -149,7 +149,7 @@ def test_the_settings_check_rejects_what_a_process_would_not_accept() -> None:
     with pytest.raises(AssertionError, match="KESTREL_KV_CACHE_MIB"):
         check_command(ok, {"KESTREL_KV_CACHE_MIB": "64"})  # a misspelt variable is ignored
     with pytest.raises(SystemExit):
-        check_command([*ok, "--drain-timeout", "30"], {})  # argparse: unknown flag
+        check_command([*ok, "--drain-timeouts", "30"], {})  # argparse: unknown flag
     with pytest.raises(SystemExit):
         check_command(ok, {"KESTREL_DTYPE": "float8"})  # the config's own validation
     with pytest.raises(SystemExit):  # only issue 12's names are tolerated, not any --link-*
