@@ -6,6 +6,7 @@ time, no HEALTHCHECK, and a build context without a .dockerignore (the 1.5 GB .v
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shutil
 import subprocess
@@ -145,3 +146,53 @@ def test_dockerignore_keeps_the_context_small_and_what_images_copy() -> None:
             for src in inst.args.split()[:-1]:
                 assert (ROOT / src).exists(), src
                 assert not ignored(src, patterns), f"{df.name} copies {src}, .dockerignore drops it"
+
+
+def image_tree(df: Dockerfile, dest: Path, before_line: int | None = None) -> None:
+    """Lay out /app as the image's COPY instructions do (up to `before_line`)."""
+    for inst in df.all("COPY"):
+        if before_line is not None and inst.line > before_line:
+            break
+        *sources, target = inst.args.split()
+        if target.startswith("/tmp/"):
+            continue
+        for src in sources:
+            out = dest / target if not target.endswith("/") else dest / target / Path(src).name
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, out, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / src, out)
+
+
+def imports_from(tree: Path, modules: list[str]) -> subprocess.CompletedProcess[str]:
+    """Import `modules` with /app = tree first on the path; every kestrel module must come from
+    the tree (the shared venv may hold an editable install that would hide a missing COPY)."""
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "bad = [n for n, m in sys.modules.items() if n.split('.')[0] in "
+            "('protocol', 'gateway', 'engine_worker', 'loadgen') and not "
+            f"str(getattr(m, '__file__', '') or '').startswith({str(tree)!r})]\n"
+            "assert not bad, bad\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tree)})
+
+
+def test_what_the_images_copy_is_enough_to_run(tmp_path: Path) -> None:
+    gateway = Dockerfile(IMAGES["gateway"])
+    image_tree(gateway, tmp_path / "gw")
+    run = imports_from(tmp_path / "gw", ["gateway.main", "gateway.app"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not (tmp_path / "gw" / "engine_worker").exists()  # the gateway image has no worker
+
+    worker = Dockerfile(IMAGES["worker"])
+    convert = next(i.line for i in worker.all("RUN") if "resolve_checkpoint" in i.args)
+    image_tree(worker, tmp_path / "convert", before_line=convert)  # the conversion layer
+    run = imports_from(tmp_path / "convert", ["engine_worker.model.loader"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    image_tree(worker, tmp_path / "wk")
+    run = imports_from(tmp_path / "wk", ["engine_worker.main", "engine_worker.engine",
+                                         "engine_worker.model_runner", "engine_worker.link"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    for tree in ("gw", "wk"):
+        assert (tmp_path / tree / "deploy" / "healthcheck.py").is_file()
