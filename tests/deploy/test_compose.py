@@ -154,3 +154,15 @@ def test_the_settings_check_rejects_what_a_process_would_not_accept() -> None:
         check_command(ok, {"KESTREL_DTYPE": "float8"})  # the config's own validation
     with pytest.raises(SystemExit):  # only issue 12's names are tolerated, not any --link-*
         check_command([*ok, "--link-gateway-keys", "/x"], {})
+
+
+def test_the_worker_serves_the_model_its_image_converted() -> None:
+    df = Dockerfile(DEPLOY / "Dockerfile.worker")
+    convert = next(i.args for i in df.all("RUN") if "resolve_checkpoint" in i.args)
+    built_into = re.search(r"resolve_checkpoint\('default', Path\('([^']+)'\)\)", convert)
+    assert built_into is not None
+    for gpu in (False, True):
+        env = {**df.env(), **project(gpu)["services"]["worker"]["environment"]}
+        # Same model and cache folder as the build: the container starts without converting.
+        assert env["KESTREL_MODEL"] == "default"
+        assert env["KESTREL_CACHE_DIR"] == built_into[1]

@@ -101,6 +101,9 @@ def test_commands_and_environment_are_ones_the_process_accepts(
         cfg = check_command(c["command"], checks.plain_env(c))
         if mod == "engine_worker.main":
             assert cfg.device == ("cpu" if overlay == "cpu" else "cuda")
+            # The model and folder the image converted at build time (test_compose checks the
+            # Dockerfile's side): no conversion at start.
+            assert (cfg.model, cfg.cache_dir) == ("default", "/models")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
