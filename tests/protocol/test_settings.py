@@ -25,8 +25,9 @@ def test_api_key_repeats_and_joins_with_api_keys() -> None:
 
 
 def test_vllm_spellings_set_the_same_fields() -> None:
-    cfg = parse_settings(WorkerConfig, ["--served-model-name", "x", "y", "--no-enable-prefix-caching",
-                                        "--kv-cache-memory", "1GiB"], {})
+    cfg = parse_settings(WorkerConfig, ["--served-model-name", "x", "y",
+                                        "--no-enable-prefix-caching", "--kv-cache-memory", "1GiB"],
+                         {})
     assert cfg.served_names() == ("x", "y") and cfg.prefix_caching is False
     assert parse_settings(WorkerConfig, ["--enable-prefix-caching"],
                           {"KESTREL_PREFIX_CACHING": "0"}).prefix_caching is True
