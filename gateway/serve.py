@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from engine_worker.config import WorkerConfig
@@ -96,6 +97,13 @@ def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None =
     parser = build_parser(prog)
     args, extra = parser.parse_known_args(argv)
     _reject_extra(parser, extra)
+    names = getattr(args, "worker.model_id") or []
+    if args.model_arg is None and getattr(args, "worker.model") is None and names and (
+            names[-1].endswith(".gguf") or Path(names[-1]).exists()):
+        # --served-model-name takes one or more values (as vLLM's does): a MODEL after it
+        # would silently become an alias and the default model be served.
+        _fail(parser, f"{names[-1]!r} was read as a --served-model-name; give MODEL before "
+                      "--served-model-name, or as --model")
     if args.model_arg is not None:
         if getattr(args, "worker.model") is not None:
             _fail(parser, "give the model once: as MODEL or as --model, not both")

@@ -32,3 +32,13 @@ def test_dtype_auto_passes_through_to_the_worker() -> None:
 def test_kestrel_without_a_command_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert kestrel([]) == 2 and "serve" in capsys.readouterr().out
     assert kestrel(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
+
+
+def test_model_after_served_model_name_is_caught(tmp_path, capsys) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with pytest.raises(SystemExit) as exc:
+        parse(["--served-model-name", "a", str(model)], {})
+    assert exc.value.code == 2 and "give MODEL before" in capsys.readouterr().err
+    _, wk = parse([str(model), "--served-model-name", "a", "org/b"], {})
+    assert wk.served_names() == ("a", "org/b") and wk.model == str(model)
