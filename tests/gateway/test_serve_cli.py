@@ -42,3 +42,28 @@ def test_model_after_served_model_name_is_caught(tmp_path, capsys) -> None:
     assert exc.value.code == 2 and "give MODEL before" in capsys.readouterr().err
     _, wk = parse([str(model), "--served-model-name", "a", "org/b"], {})
     assert wk.served_names() == ("a", "org/b") and wk.model == str(model)
+
+
+def test_a_field_either_process_gains_is_a_serve_flag(monkeypatch, capsys) -> None:
+    """Other issues add settings to the worker and gateway configs at the same time as this one:
+    `kestrel serve` takes them from the dataclasses, so they need no change here. A name both
+    processes have (but not one meaning) becomes --gateway-NAME and --worker-NAME."""
+    from dataclasses import dataclass
+
+    from engine_worker.config import WorkerConfig
+    from gateway import serve
+    from protocol.settings import setting
+
+    @dataclass(frozen=True)
+    class Extended(WorkerConfig):
+        new_knob: int = setting(3, "a setting another issue adds")
+        port: str = setting("", "a name the gateway has too")
+
+    monkeypatch.setattr(serve, "WorkerConfig", Extended)
+    gw, wk = serve.parse(["/m", "--new-knob", "7", "--worker-port", "x", "--gateway-port",
+                          "9002"], {})
+    assert wk.new_knob == 7 and wk.port == "x" and gw.port == 9002
+    with pytest.raises(SystemExit):
+        serve.parse(["--help"], {})
+    out = capsys.readouterr().out
+    assert out.index("--new-knob") > out.index("worker (")
