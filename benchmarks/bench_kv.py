@@ -24,7 +24,7 @@ from engine_worker.model_runner import ModelRunner, StepItem  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--lengths", default="64,128,256,512,1024")
     ap.add_argument("--repeats", type=int, default=8)

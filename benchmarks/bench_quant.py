@@ -168,7 +168,7 @@ def row(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--ppl-tokens", type=int, default=20480)
     ap.add_argument("--prompt", type=int, default=128)

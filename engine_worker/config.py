@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_worker.memory_budget import parse_kv_memory
 from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
@@ -25,7 +26,9 @@ class WorkerConfig:
         "'default' (the embedded SmolLM2-135M-Instruct), a local Hugging Face checkpoint "
         "folder, or a .gguf file",
     )
-    model_id: str = setting("", "name the model is served as (default: from the checkpoint)")
+    model_id: str = setting("", "names the model is served as: the first is its id, the others "
+                            "aliases requests may use (default: from the checkpoint or the "
+                            "GGUF file's name)", flags=("--served-model-name",), repeat="extend")
     cache_dir: str = setting(default_cache_dir(), "where converted checkpoints are kept")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1 ...")
     dtype: str = setting("float32", "weights and activations dtype: " + ", ".join(DTYPES))
@@ -34,16 +37,26 @@ class WorkerConfig:
     quant_group_size: int = setting(32, "INT4 group size: 32, 64 or 128; a layer whose input "
                                     "width it does not divide uses the largest that does")
     kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
+    kv_cache_memory: str = setting("", "KV cache budget, overriding kv_cache_mb: bytes "
+                                   "(2147483648, 2GiB, 512MB) or a fraction in (0, 1) of the "
+                                   "memory available when the worker starts (CPU: the host's "
+                                   "MemAvailable; CUDA: the device's free memory), weights not "
+                                   "subtracted")
     block_size: int = setting(16, "tokens per KV cache block")
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
                                  "context clamped to the KV capacity)")
     max_num_seqs: int = setting(32, "most sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (chunked prefill)")
-    prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
+                                   flags=("--enable-prefix-caching",))
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default)")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def served_names(self) -> tuple[str, ...]:
+        """The names given for the model (empty: derive one from the checkpoint)."""
+        return tuple(n.strip() for n in self.model_id.split(",") if n.strip())
 
     def __post_init__(self) -> None:
         if not self.gateway_address.startswith(("tcp://", "ipc://", "inproc://")):
@@ -62,6 +75,7 @@ class WorkerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, or some decoding "
                              "sequences would never get a token")
+        parse_kv_memory(self.kv_cache_memory)  # raises ValueError on a bad spelling
         if self.max_model_len < 0 or self.threads < 0:
             raise ValueError("max_model_len and threads must be >= 0")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.config import WorkerConfig
+from engine_worker.memory_budget import kv_budget_bytes
+from engine_worker.naming import served_names
 from engine_worker.sequence import SequenceStatus
 from protocol import messages as m
 from protocol.jsonlog import setup_logging
@@ -149,13 +151,11 @@ class WorkerLoop:
 def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
     from engine_worker.model.loader import tokenizer_info
 
-    model_id = cfg.model_id or (
-        "SmolLM2-135M-Instruct" if cfg.model in ("default", "smollm2") else checkpoint.name
-    )
+    names = served_names(cfg.model, checkpoint, cfg.served_names())
     return m.Hello(
         protocol_version=m.PROTOCOL_VERSION,
         worker_id=new_worker_id(),
-        model_id=model_id,
+        model_id=names[0],
         max_model_len=runner.max_model_len,
         kv_capacity_tokens=runner.num_blocks * runner.block_size,
         max_num_seqs=cfg.max_num_seqs,
@@ -164,6 +164,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         dtype=cfg.dtype,
         quantization=cfg.quantization,
         weight_bytes=runner.weight_bytes,
+        aliases=list(names[1:]),
     )
 
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint,
         dtype=getattr(torch, cfg.dtype),
         device=cfg.device,
-        kv_budget_bytes=cfg.kv_cache_mb * 2**20,
+        kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len or None,
         quantization=cfg.quantization,

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine_worker.model.loader import resolve_checkpoint
 
-    ap = argparse.ArgumentParser(description="Greedy decode throughput through execute().")
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description="Greedy decode throughput through execute().")
     ap.add_argument("model", nargs="?", default="default")
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--prompt", type=int, default=128)

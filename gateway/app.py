@@ -61,10 +61,13 @@ async def list_models(request: Request) -> Response:
     data = []
     for entry in state.client.models.values():
         h = entry.hello
-        data.append({"id": entry.model_id, "object": "model", "created": entry.created,
-                     "owned_by": "kestrel", "max_model_len": h.max_model_len,
-                     "dtype": h.dtype, "quantization": h.quantization,
-                     "weight_bytes": h.weight_bytes})
+        # An alias is listed as a model of its own (as vLLM lists every served name); `root`
+        # names the id that responses carry.
+        for name in (entry.model_id, *h.aliases):
+            data.append({"id": name, "object": "model", "created": entry.created,
+                         "owned_by": "kestrel", "root": entry.model_id,
+                         "max_model_len": h.max_model_len, "dtype": h.dtype,
+                         "quantization": h.quantization, "weight_bytes": h.weight_bytes})
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -20,7 +20,8 @@ class GatewayConfig:
     max_tokens_cap: int = setting(1024, "largest max_tokens a request may ask for")
     default_timeout_s: float = setting(30.0, "deadline of a request, counted from its arrival")
     max_body_bytes: int = setting(1 << 20, "largest request body")
-    api_keys: str = setting("", "comma-separated API keys; empty: no auth")
+    api_keys: str = setting("", "API keys, comma-separated (--api-key: one a flag, repeated); "
+                            "empty: no auth", flags=("--api-key",), repeat="append")
     api_key_file: str = setting("", "file with one API key per line")
     protect_metrics: bool = setting(False, "require an API key for /metrics too")
     rate_limit_rps: float = setting(0.0, "per-client requests per second (0: off)")

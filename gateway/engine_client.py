@@ -147,8 +147,12 @@ class EngineClient:
         """Whether a ready (not draining) worker serves the model right now."""
         return any(w.hello.model_id == model_id for w in self.ready_workers())
 
-    def model(self, model_id: str) -> ModelEntry | None:
-        return self.models.get(model_id)
+    def model(self, name: str) -> ModelEntry | None:
+        """The model with this id, or with this alias (--served-model-name's later names)."""
+        entry = self.models.get(name)
+        if entry is None:
+            entry = next((e for e in self.models.values() if name in e.hello.aliases), None)
+        return entry
 
     async def submit(self, model_id: str, gen: m.Generate) -> RequestHandle:
         candidates = [w for w in self.ready_workers() if w.hello.model_id == model_id]

@@ -1,31 +1,161 @@
-"""`kestrel-serve`: gateway and one worker on this host, for local use (`make serve`).
+"""`kestrel serve [MODEL] [flags]` (and `kestrel-serve`): the gateway and one worker on this host.
 
-Flags are the gateway's; the worker reads its own KESTREL_* variables from the environment and
-is pointed at this gateway. The worker is a child process: it is stopped when the gateway exits.
+    argv ──one parser built from GatewayConfig and WorkerConfig──▶ both configs, validated here
+      ──▶ worker: a child process handed its config as KESTREL_* variables
+      ──▶ gateway: runs in this process until SIGTERM/SIGINT; then the worker is stopped
+
+The flags are the two processes' own settings fields, grouped by process in --help, so a field
+either process gains is a `kestrel serve` flag with no change here. A field both processes have
+with one meaning (SHARED) is one flag for both; any other name they share gets a `--gateway-` and
+a `--worker-` flag, so nothing is silently set for the wrong process. The worker's
+`gateway_address` is the gateway's `engine_address`. A flag neither process has exits 2 naming
+it; a vLLM flag kestrel does not take exits 2 saying why (gateway/vllm_flags.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
 
-from gateway.main import parse, run
+from engine_worker.config import WorkerConfig
+from gateway.config import GatewayConfig
+from gateway.main import run
+from gateway.vllm_flags import unsupported_reason
+from protocol.settings import add_settings, new_parser, settings_environ, settings_from
+
+log = logging.getLogger("kestrel.serve")
+
+SHARED = ("log_level", "drain_timeout_s")  # the same meaning in both processes
+SET_HERE = ("gateway_address",)  # the worker's; serve points it at its own gateway
+GATEWAY_ENV = {"port": "PORT"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(argv)
-    env = {**os.environ, "KESTREL_GATEWAY_ADDRESS": cfg.engine_address}
+def _names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _all_but(cls: type, keep: set[str]) -> list[str]:
+    return sorted(_names(cls) - keep)
+
+
+def build_parser(prog: str = "kestrel serve") -> argparse.ArgumentParser:
+    parser = new_parser(prog, "Serve a model: the HTTP gateway and one engine worker on this "
+                              "host, configured together. Every flag is also a KESTREL_<NAME> "
+                              "environment variable.",
+                        usage="%(prog)s [MODEL] [flags]   (--help: the flags, by process)")
+    gw, wk = _names(GatewayConfig), _names(WorkerConfig)
+    clash = (gw & wk) - set(SHARED)
+    model = parser.add_argument_group("model")
+    model.add_argument("model_arg", nargs="?", metavar="MODEL",
+                       help="the model: same as --model (give one or the other)")
+    add_settings(model, WorkerConfig, dest_prefix="worker.", skip=_all_but(WorkerConfig, {"model"}))
+    both = parser.add_argument_group("both processes")
+    add_settings(both, GatewayConfig, dest_prefix="shared.",
+                 skip=_all_but(GatewayConfig, set(SHARED)))
+    gateway = parser.add_argument_group("gateway (HTTP API, admission, auth)")
+    add_settings(gateway, GatewayConfig, dest_prefix="gateway.", extra_env=GATEWAY_ENV,
+                 skip=[*SHARED, *clash])
+    add_settings(gateway, GatewayConfig, dest_prefix="gateway.", flag_prefix="gateway-",
+                 skip=_all_but(GatewayConfig, clash))
+    worker = parser.add_argument_group("worker (model, KV cache, batching)")
+    add_settings(worker, WorkerConfig, dest_prefix="worker.",
+                 skip=[*SHARED, *clash, *SET_HERE, "model"])
+    add_settings(worker, WorkerConfig, dest_prefix="worker.", flag_prefix="worker-",
+                 skip=_all_but(WorkerConfig, clash - set(SET_HERE)))
+    return parser
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _reject_extra(parser: argparse.ArgumentParser, extra: Sequence[str]) -> None:
+    """Name the first flag we do not take (saying why for a vLLM one), else the stray word."""
+    for token in extra:
+        if token.startswith("-") and token != "-":
+            name = token.split("=", 1)[0]
+            reason = unsupported_reason(name)
+            if reason is not None:
+                _fail(parser, f"{name} is a vLLM flag kestrel does not support: {reason}")
+            _fail(parser, f"unrecognized argument {name} (see {parser.prog} --help)")
+    if extra:
+        _fail(parser, f"unexpected argument {extra[0]!r}: MODEL was already given")
+
+
+def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None, *,
+          prog: str = "kestrel serve") -> tuple[GatewayConfig, WorkerConfig]:
+    environ = os.environ if environ is None else environ
+    parser = build_parser(prog)
+    args, extra = parser.parse_known_args(argv)
+    _reject_extra(parser, extra)
+    names = getattr(args, "worker.model_id") or []
+    if args.model_arg is None and getattr(args, "worker.model") is None and names and (
+            names[-1].endswith(".gguf") or Path(names[-1]).exists()):
+        # --served-model-name takes one or more values (as vLLM's does): a MODEL after it
+        # would silently become an alias and the default model be served.
+        _fail(parser, f"{names[-1]!r} was read as a --served-model-name; give MODEL before "
+                      "--served-model-name, or as --model")
+    if args.model_arg is not None:
+        if getattr(args, "worker.model") is not None:
+            _fail(parser, "give the model once: as MODEL or as --model, not both")
+        setattr(args, "worker.model", args.model_arg)
+    for name in SHARED:
+        value = getattr(args, "shared." + name)
+        setattr(args, "gateway." + name, value)
+        setattr(args, "worker." + name, value)
+
+    def error(message: str) -> NoReturn:
+        _fail(parser, message)
+
+    gateway = settings_from(GatewayConfig, args, environ, error, dest_prefix="gateway.",
+                            extra_env=GATEWAY_ENV)
+    worker = settings_from(WorkerConfig, args, environ, error, dest_prefix="worker.",
+                           fixed={"gateway_address": gateway.engine_address})
+    return gateway, worker
+
+
+def _watch(worker: subprocess.Popen, stopping: threading.Event) -> None:
+    """A worker that exits on its own (a model that does not load...) ends the server too:
+    a gateway with no worker would only answer 503."""
+    code = worker.wait()
+    if not stopping.is_set():
+        log.error("the worker exited with status %s; stopping the gateway", code)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "kestrel serve") -> int:
+    gateway_cfg, worker_cfg = parse(argv, prog=prog)
+    env = {**os.environ, **settings_environ(worker_cfg)}
     worker = subprocess.Popen([sys.executable, "-m", "engine_worker.main"], env=env)
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(worker, stopping), daemon=True,
+                     name="worker-watch").start()
     try:
-        run(cfg)
+        run(gateway_cfg)
     finally:
-        worker.terminate()
+        stopping.set()
+        if worker.poll() is None:
+            worker.terminate()
         try:
-            worker.wait(timeout=30)
+            worker.wait(timeout=gateway_cfg.drain_timeout_s + 5)
         except subprocess.TimeoutExpired:
             worker.kill()
-    return 0
+            worker.wait()
+    return 1 if worker.returncode not in (0, -signal.SIGTERM) else 0
+
+
+def script_main() -> int:
+    """`kestrel-serve`, the older name of `kestrel serve`."""
+    return main(prog="kestrel-serve")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The HTTP side: one streamed request per call, recorded into a RequestRecord.
+"""The HTTP side: one request per call (streamed, or whole), recorded into a RequestRecord.
 
     RequestSpec ──build_request──▶ POST {base}/completions | /chat/completions (stream)
       ──aiohttp reads (any split)──▶ SSEParser ──data──▶ RequestRecord.on_event(t) ──▶ [DONE]
@@ -57,6 +57,13 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: Mapping[s
                 record.error = f"HTTP {resp.status}: {error_text(await resp.text())}"
                 return
             ctype = resp.headers.get("Content-Type", "")
+            if body.get("stream") is False:
+                if not ctype.startswith("application/json"):
+                    record.error = f"expected JSON, got {ctype or 'no content type'}"
+                    return
+                obj = await resp.json()
+                record.on_response(obj, time.perf_counter(), sent)
+                return
             if not ctype.startswith("text/event-stream"):
                 record.error = f"expected an event stream, got {ctype or 'no content type'}"
                 return

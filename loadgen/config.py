@@ -92,9 +92,12 @@ class WorkloadConfig:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """One load run. Open loop: `rate` requests/s (math.inf: all at once). Closed loop:
-    `concurrency` workers back to back. Either stops after `num_requests` or `duration_s`
-    (whichever comes first when both are set; in-flight requests always finish)."""
+    """One load run. Open loop: `rate` requests/s (math.inf: all at once), gamma gaps of shape
+    `burstiness` (1: Poisson), at most `max_concurrency` in flight when set (an arrival waits for
+    a free slot, as in `vllm bench serve`). Closed loop: `concurrency` workers back to back.
+    Either stops after `num_requests` or `duration_s` (whichever comes first when both are set;
+    in-flight requests always finish). `warmup` requests go first, unrecorded; `stream` False
+    asks for whole responses; `percentiles` are reported for every latency."""
 
     base_url: str
     api: Api = "completions"
@@ -113,6 +116,11 @@ class LoadConfig:
     slo_tpot_ms: float | None = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = False
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    stream: bool = True
+    warmup: int = 0
+    percentiles: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -137,6 +145,14 @@ class LoadConfig:
             raise ValueError("extra_body must be a JSON object")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise ValueError("burstiness must be a finite number > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
+        if not self.percentiles or not all(0 < p <= 100 for p in self.percentiles):
+            raise ValueError("percentiles must be in (0, 100]")
 
     @property
     def url_base(self) -> str:
@@ -144,3 +160,14 @@ class LoadConfig:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,99` -> (50.0, 90.0, 99.0), sorted, duplicates removed."""
+    try:
+        values = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"bad percentiles {text!r}: expected numbers like 50,90,99") from None
+    if not values or not all(0 < p <= 100 for p in values):
+        raise ValueError(f"bad percentiles {text!r}: each must be in (0, 100]")
+    return values

@@ -2,6 +2,7 @@
 
     SSE data string + arrival time ──▶ RequestRecord.on_event() ──▶ timings, counts, usage, error
 
+A non-streamed response is one event (`on_response`): TTFT equals its whole latency.
 Times are seconds on `time.perf_counter()`, stored relative to the run's start (`scheduled_s`,
 `sent_s`) or to the request's send (`ttft_s`, `e2e_s`). A "token chunk" is a chunk with a choice,
 except the chat preamble (`delta: {role, content: ""}`), which precedes any token; kestrel sends
@@ -96,6 +97,22 @@ class RequestRecord:
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return False
+
+    def on_response(self, obj: Any, now: float, sent_at: float) -> None:
+        """Apply a whole (non-streamed) response that arrived at `now`. Its first token reached
+        the client with all the others, so TTFT is the whole latency and there are no gaps."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+            self.error = f"bad response: {json.dumps(obj)[:200]}"
+            return
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.completion_tokens = usage.get("completion_tokens")
+        self._token_chunk(now, sent_at)
+        for choice in obj["choices"]:
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        self.done = True
 
     def _token_chunk(self, now: float, sent_at: float) -> None:
         if self._first_t is None:

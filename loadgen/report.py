@@ -45,12 +45,20 @@ class Distribution:
     p90: float
     p95: float
     p99: float
+    # The percentiles asked for (--percentiles), keyed "p50", "p99.9"...; p50..p99 above always.
+    chosen: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of_seconds(cls, values: Iterable[float]) -> Distribution:
+    def of_seconds(cls, values: Iterable[float],
+                   percentiles: Sequence[float] = PERCENTILES) -> Distribution:
         ms = [v * 1000.0 for v in values]
         mean = sum(ms) / len(ms) if ms else math.nan
-        return cls(len(ms), mean, *(percentile(ms, p) for p in PERCENTILES))
+        return cls(len(ms), mean, *(percentile(ms, p) for p in PERCENTILES),
+                   chosen={pct_name(p): percentile(ms, p) for p in percentiles})
+
+
+def pct_name(p: float) -> str:
+    return f"p{p:g}"
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ class Summary:
     tpot: Distribution
     e2e: Distribution
     error_samples: list[str] = field(default_factory=list)
+    # Prompt + completion tokens of successful requests per second (vLLM's "total token
+    # throughput"): what a server's prefill and decode together got through.
+    total_token_throughput: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(asdict(self))
@@ -105,7 +116,8 @@ def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, *,
               offered_rate: float | None = None, concurrency: int | None = None,
-              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> Summary:
+              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+              percentiles: Sequence[float] = PERCENTILES) -> Summary:
     ok = [r for r in records if r.ok]
     n = len(records)
     rejected = sum(r.rejected for r in records)
@@ -127,11 +139,13 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *,
         completion_tokens=sum(r.completion_tokens or 0 for r in records),
         max_send_lag_ms=max((r.send_lag_s * 1000 for r in records), default=0.0),
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-        ttft=Distribution.of_seconds(r.ttft_s for r in ok if r.ttft_s is not None),
-        itl=Distribution.of_seconds(g for r in ok for g in r.itl_s),
-        tpot=Distribution.of_seconds(t for r in ok if (t := r.tpot_s) is not None),
-        e2e=Distribution.of_seconds(r.e2e_s for r in ok if r.e2e_s is not None),
+        ttft=Distribution.of_seconds((r.ttft_s for r in ok if r.ttft_s is not None), percentiles),
+        itl=Distribution.of_seconds((g for r in ok for g in r.itl_s), percentiles),
+        tpot=Distribution.of_seconds((t for r in ok if (t := r.tpot_s) is not None), percentiles),
+        e2e=Distribution.of_seconds((r.e2e_s for r in ok if r.e2e_s is not None), percentiles),
         error_samples=samples,
+        total_token_throughput=sum((r.prompt_tokens or 0) + (r.completion_tokens or 0)
+                                   for r in ok) / wall,
     )
 
 
@@ -141,8 +155,12 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _latency_head(s: Summary) -> list[str]:
+    return ["latency (ms)", "n", "mean", *(k.upper() for k in s.ttft.chosen)]
+
+
 def _latency_rows(s: Summary) -> list[list[str]]:
-    return [[name, str(d.count), _fmt(d.mean), _fmt(d.p50), _fmt(d.p90), _fmt(d.p95), _fmt(d.p99)]
+    return [[name, str(d.count), _fmt(d.mean), *(_fmt(v) for v in d.chosen.values())]
             for name, d in (("TTFT", s.ttft), ("ITL", s.itl), ("TPOT", s.tpot), ("E2E", s.e2e))]
 
 
@@ -159,6 +177,8 @@ def _scalar_rows(s: Summary) -> list[tuple[str, str]]:
         ("request throughput", f"{_fmt(s.request_throughput, 2)} req/s completed, "
                                f"{_fmt(s.sent_rate, 2)} req/s sent"),
         ("output throughput", f"{_fmt(s.output_throughput, 1)} tok/s"),
+        ("total token throughput", f"{_fmt(s.total_token_throughput, 1)} tok/s (prompt + "
+                                   "output)"),
         ("goodput", f"{_fmt(s.goodput, 2)} req/s (SLO: {slo})"),
         ("429 rate", f"{_fmt(s.rejection_rate * 100, 1)} %"),
         ("error rate", f"{_fmt(s.error_rate * 100, 1)} %"),
@@ -167,13 +187,11 @@ def _scalar_rows(s: Summary) -> list[tuple[str, str]]:
     ]
 
 
-_HEAD = ["latency (ms)", "n", "mean", "P50", "P90", "P95", "P99"]
-
-
 def format_table(s: Summary) -> str:
     """A plain-text report for the terminal."""
-    rows = [_HEAD, *_latency_rows(s)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEAD))]
+    head = _latency_head(s)
+    rows = [head, *_latency_rows(s)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w)
                        in enumerate(zip(row, widths, strict=True))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -194,7 +212,7 @@ def markdown_section(s: Summary, title: str, details: str = "") -> str:
     parts = [f"## {title}", ""]
     if details:
         parts += [details, ""]
-    parts += [markdown_table(_HEAD, _latency_rows(s)), ""]
+    parts += [markdown_table(_latency_head(s), _latency_rows(s)), ""]
     parts += [markdown_table(["metric", "value"], _scalar_rows(s)), ""]
     return "\n".join(parts) + "\n"
 

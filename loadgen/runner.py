@@ -3,16 +3,20 @@
     LoadConfig ──▶ model (config or GET /models) ──▶ Workload specs ──▶ open or closed loop
       ──▶ send_request per spec ──▶ RequestRecords ──▶ summarize ──▶ RunResult
 
-Open loop: the Poisson schedule is computed first; one coroutine sleeps until each arrival time and
-*creates a task* for it, never awaiting a response, so the offered load does not bend to the
-server's speed; each record's send lag (actual minus scheduled send) shows whether the generator
-kept up. Closed loop: `concurrency` workers, each sending its next request when the previous one
+Open loop: the schedule (Poisson, or gamma gaps for burstiness != 1) is computed first; one
+coroutine sleeps until each arrival time and *creates a task* for it, never awaiting a response,
+so the offered load does not bend to the server's speed; each record's send lag (actual minus
+scheduled send) shows whether the generator kept up. With `max_concurrency` a task waits for one
+of that many slots before it sends (its wait shows as send lag), as `vllm bench serve` does.
+Warm-up requests (closed loop, as many at once as the run would have) go before t=0 and are not
+recorded. Closed loop: `concurrency` workers, each sending its next request when the previous one
 ends, so the load adapts to the server: it measures capacity at a fixed number of users.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
@@ -71,6 +75,8 @@ async def run_load(config: LoadConfig, *,
     session = session if session is not None else new_session(config.timeout_s)
     try:
         model = config.model or await fetch_model(session, config.base_url, config.headers())
+        if config.warmup:
+            await _Runner(config, session, model, warmup=True).warm_up()
         runner = _Runner(config, session, model)
         records, duration = await runner.run()
     finally:
@@ -80,16 +86,22 @@ async def run_load(config: LoadConfig, *,
         records, duration,
         offered_rate=config.rate if config.mode == "open" else None,
         concurrency=config.concurrency if config.mode == "closed" else None,
-        slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms)
+        slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms,
+        percentiles=config.percentiles)
     return RunResult(config, model, records, duration, summary)
 
 
 class _Runner:
-    def __init__(self, config: LoadConfig, session: aiohttp.ClientSession, model: str) -> None:
+    def __init__(self, config: LoadConfig, session: aiohttp.ClientSession, model: str, *,
+                 warmup: bool = False) -> None:
         self.config = config
         self.session = session
         self.model = model
-        self.workload = Workload(config.workload, config.seed)
+        # Warm-up prompts come from their own seed: the measured run's specs stay the same.
+        self.workload = Workload(config.workload, f"{config.seed}:warmup" if warmup
+                                 else config.seed)
+        self.slots = (asyncio.Semaphore(config.max_concurrency)
+                      if config.max_concurrency is not None else None)
         self.headers = config.headers()  # aiohttp sets Content-Type for a json= body
         self.records: list[RequestRecord] = []
         self.progress = Progress(None, enabled=False)  # replaced once the total is known
@@ -102,7 +114,8 @@ class _Runner:
             # whatever the workload settings, and vice versa.
             schedule = poisson_schedule(cfg.rate, num_requests=cfg.num_requests,
                                         duration_s=cfg.duration_s,
-                                        rng=random.Random(f"{cfg.seed}:schedule"))
+                                        rng=random.Random(f"{cfg.seed}:schedule"),
+                                        burstiness=cfg.burstiness)
             specs = self.workload.take(len(schedule))  # built before t=0: no work in the loop
             self.progress = Progress(len(schedule), enabled=cfg.progress)
             self.start = time.perf_counter()
@@ -114,6 +127,21 @@ class _Runner:
         duration = time.perf_counter() - self.start
         self.progress.close()
         return sorted(self.records, key=lambda r: r.index), duration
+
+    async def warm_up(self) -> None:
+        """`warmup` requests, as many at once as the run will have, nothing recorded."""
+        cfg = self.config
+        width = cfg.concurrency if cfg.mode == "closed" else (cfg.max_concurrency or cfg.warmup)
+        specs = self.workload.take(cfg.warmup)
+        self.start = time.perf_counter()
+
+        async def worker(mine: list[RequestSpec]) -> None:
+            for spec in mine:
+                await self._one(spec, 0.0)
+
+        width = max(1, min(width, len(specs)))
+        await asyncio.gather(*(worker(specs[i::width]) for i in range(width)))
+        self.records.clear()
 
     async def _open_loop(self, schedule: list[float], specs: list[RequestSpec]) -> None:
         tasks: list[asyncio.Task[None]] = []
@@ -152,10 +180,11 @@ class _Runner:
                                target_output_len=spec.output_len)
         self.records.append(record)
         path, body = build_request(spec, cfg.api, self.model, ignore_eos=cfg.ignore_eos,
-                                   extra_body=dict(cfg.extra_body))
-        self.progress.on_sent()
-        try:
-            await send_request(self.session, cfg.url_base + path, body, self.headers, record,
-                               self.start)
-        finally:
-            self.progress.on_done(rejected=record.rejected, failed=record.failed)
+                                   extra_body=dict(cfg.extra_body), stream=cfg.stream)
+        async with self.slots if self.slots is not None else contextlib.nullcontext():
+            self.progress.on_sent()
+            try:
+                await send_request(self.session, cfg.url_base + path, body, self.headers, record,
+                                   self.start)
+            finally:
+                self.progress.on_done(rejected=record.rejected, failed=record.failed)

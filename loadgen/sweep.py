@@ -12,6 +12,11 @@ realised (requests / last send time), not the nominal one: a Poisson run of N re
 N/rate ± sqrt(N)/rate seconds, which alone would move a 100-request point by ~10%. Completed
 requests/s also pays for the tail (the last requests' latency after the last send), so give each
 point enough requests that rate x E2E latency is small against their number.
+
+The automatic sweep (`run_auto_sweep`, `--rates auto`) finds its own range first, like guidellm's:
+the synchronous rate (one request at a time, closed loop: the rate of a single user) and the
+saturating rate (every request at once: the most the server completes per second), then runs
+open-loop points evenly spaced from the one to the other.
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ class SweepResult:
     points: list[SweepPoint]
     saturation_index: int | None
     saturation_reason: str | None
+    synchronous: Summary | None = None  # the automatic sweep's two probing runs
+    throughput: Summary | None = None
+
+    @property
+    def synchronous_rate(self) -> float | None:
+        return None if self.synchronous is None else self.synchronous.request_throughput
+
+    @property
+    def max_rate(self) -> float | None:
+        return None if self.throughput is None else self.throughput.request_throughput
 
     @property
     def saturation_rate(self) -> float | None:
@@ -54,7 +69,12 @@ class SweepResult:
                 "saturation": {"index": self.saturation_index, "rate": self.saturation_rate,
                                "reason": self.saturation_reason,
                                "rule": f"achieved < {THROUGHPUT_FRACTION:g} x offered req/s, or "
-                                       f"P99 TTFT > {TTFT_GROWTH:g} x the lowest rate's"}}
+                                       f"P99 TTFT > {TTFT_GROWTH:g} x the lowest rate's"},
+                **({"auto": {"synchronous_rate": self.synchronous_rate,
+                             "max_rate": self.max_rate,
+                             "synchronous": self.synchronous.to_dict(),
+                             "throughput": self.throughput.to_dict()}}
+                   if self.synchronous is not None and self.throughput is not None else {})}
 
 
 def parse_rates(text: str) -> list[float]:
@@ -100,6 +120,39 @@ async def run_sweep(config: LoadConfig, rates: Sequence[float], *, cooldown_s: f
             on_point(point, result)
     index, reason = find_saturation(points)
     return SweepResult(points, index, reason)
+
+
+def auto_rates(synchronous_rate: float, max_rate: float, num_points: int) -> list[float]:
+    """`num_points` rates evenly spaced from the synchronous to the saturating rate (both
+    included); one point when the two are equal (or the server got slower under load)."""
+    if num_points < 1:
+        raise ValueError("num_points must be >= 1")
+    if max_rate <= synchronous_rate or num_points == 1:
+        return [synchronous_rate]
+    step = (max_rate - synchronous_rate) / (num_points - 1)
+    return [synchronous_rate + i * step for i in range(num_points)]
+
+
+async def run_auto_sweep(config: LoadConfig, num_points: int, *, cooldown_s: float = 0.0,
+                         on_point: Callable[[SweepPoint, RunResult], None] | None = None,
+                         on_probe: Callable[[str, RunResult], None] | None = None
+                         ) -> SweepResult:
+    """Find the synchronous and the saturating rate, then sweep between them."""
+    sync = await run_load(replace(config, mode="closed", concurrency=1))
+    if on_probe is not None:
+        on_probe("synchronous", sync)
+    burst = await run_load(replace(config, mode="open", rate=math.inf))
+    if on_probe is not None:
+        on_probe("throughput", burst)
+    s_rate, m_rate = sync.summary.request_throughput, burst.summary.request_throughput
+    if not (s_rate > 0 and math.isfinite(s_rate) and math.isfinite(m_rate)):
+        raise RuntimeError(f"no requests completed while probing (synchronous {s_rate:.3g}, "
+                           f"saturating {m_rate:.3g} req/s): see the error samples")
+    if cooldown_s > 0:
+        await asyncio.sleep(cooldown_s)
+    swept = await run_sweep(config, auto_rates(s_rate, m_rate, num_points),
+                            cooldown_s=cooldown_s, on_point=on_point)
+    return replace(swept, synchronous=sync.summary, throughput=burst.summary)
 
 
 SWEEP_HEAD = ["offered req/s", "achieved req/s", "tok/s", "TTFT P50", "TTFT P99", "E2E P50",

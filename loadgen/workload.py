@@ -3,7 +3,9 @@
     WorkloadConfig + seed ──▶ Workload.next_spec() ──▶ RequestSpec
       ──▶ build_request() ──▶ (path, JSON body)
 
-Lengths come from `LengthDist`s (fixed / uniform) or, line by line, from a JSONL dataset. Prompts
+Lengths come from `LengthDist`s (fixed / uniform) or, row by row, from a dataset (ours, ShareGPT or
+OpenAI-style conversations: loadgen/dataset.py; a conversation's reference reply sets the output
+length, and a chat request sends its turns as they are). Prompts
 are synthetic: words drawn from a fixed vocabulary of common English words, each of which is a
 single token after a space in the byte-level BPE tokenizers of Llama-family models (checked
 against SmolLM2's), so N words is about N tokens. With `tokenizer_json` the text is instead cut
@@ -20,7 +22,6 @@ the runner interleaves requests.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from loadgen.config import Api, WorkloadConfig
+from loadgen.dataset import load_dataset
 
 VOCABULARY: tuple[str, ...] = tuple("""
 the of and to in is for on that with as was by at from it this be are or an have not has but
@@ -61,6 +63,7 @@ class RequestSpec:
     output_len: int
     prefix: str | None = None
     prefix_len: int = 0
+    messages: tuple[dict[str, str], ...] | None = None  # a dataset conversation's turns
 
     @property
     def shared_prefix(self) -> bool:
@@ -115,34 +118,6 @@ def synthetic_text(target: int, rng: random.Random, counter: TokenCounter) -> st
     return counter.fit(words, target, rng)
 
 
-def load_dataset(path: Path) -> list[dict[str, Any]]:
-    """Read a JSONL dataset: objects with `prompt` (text) or `prompt_len`, and `output_len`
-    (optional: the configured output distribution fills in). Blank lines are skipped."""
-    rows: list[dict[str, Any]] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected an object")
-        if not isinstance(row.get("prompt"), str) and not _is_len(row.get("prompt_len")):
-            raise ValueError(f"{path}:{lineno}: needs 'prompt' (text) or 'prompt_len' (int >= 0)")
-        out = row.get("output_len")
-        if out is not None and not (_is_len(out) and out >= 1):
-            raise ValueError(f"{path}:{lineno}: 'output_len' must be an int >= 1")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    return rows
-
-
-def _is_len(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 class Workload:
     """An endless, reproducible stream of RequestSpecs (a JSONL dataset is cycled in order)."""
 
@@ -170,26 +145,38 @@ class Workload:
             prompt_len = (row["prompt_len"] if "prompt_len" in row
                           else cfg.prompt_len.sample(self.rng))
             prompt = synthetic_text(prompt_len, self.rng, self.counter)
-        output_len = row["output_len"] if "output_len" in row else cfg.output_len.sample(self.rng)
+        if "output_len" in row:
+            output_len = row["output_len"]
+        elif "answer" in row:  # a conversation's reply: ask for as many tokens as it had
+            output_len = max(1, self.counter.count(row["answer"]))
+        else:
+            output_len = cfg.output_len.sample(self.rng)
+        messages = tuple(row["messages"]) if "messages" in row else None
         frac = cfg.shared_prefix_frac
         shared = math.floor((i + 1) * frac) > math.floor(i * frac)
         return RequestSpec(i, prompt, prompt_len, output_len,
-                           self.prefix if shared else None, cfg.shared_prefix_len if shared else 0)
+                           self.prefix if shared else None, cfg.shared_prefix_len if shared else 0,
+                           messages)
 
     def take(self, n: int) -> list[RequestSpec]:
         return [self.next_spec() for _ in range(n)]
 
 
 def build_request(spec: RequestSpec, api: Api, model: str, *, ignore_eos: bool = True,
-                  extra_body: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """The path (relative to the base URL) and JSON body of a streamed request for `spec`."""
-    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                  extra_body: dict[str, Any] | None = None,
+                  stream: bool = True) -> tuple[str, dict[str, Any]]:
+    """The path (relative to the base URL) and JSON body of a request for `spec`, streamed
+    (with usage in the last chunk) unless `stream` is False."""
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True
     if api == "chat":
         messages = [{"role": "system", "content": spec.prefix}] if spec.prefix is not None else []
-        body["messages"] = [*messages, {"role": "user", "content": spec.prompt}]
+        turns = list(spec.messages) if spec.messages is not None else [
+            {"role": "user", "content": spec.prompt}]
+        body["messages"] = [*messages, *turns]
         path = "/chat/completions"
     else:
         # The prefix's last word and the prompt's first are joined by a space, which byte-level

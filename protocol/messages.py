@@ -79,6 +79,7 @@ class Hello:
     dtype: str = "float32"
     quantization: str = "none"
     weight_bytes: int = 0
+    aliases: list[str] = field(default_factory=list)  # other names requests may use
 
 
 @dataclass(frozen=True)

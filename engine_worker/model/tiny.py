@@ -73,7 +73,8 @@ def make_tiny_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a tiny random-weight Llama checkpoint.")
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description="Write a tiny random-weight Llama checkpoint.")
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=2)
