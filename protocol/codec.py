@@ -42,7 +42,7 @@ CODE_TYPES: dict[int, type] = {code: cls for cls, code in TYPE_CODES.items()}
 # before msgpack sees it, and msgpack itself is bounded so no frame can build huge containers.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_PAYLOAD_BYTES: dict[type, int] = {m.Hello: MAX_FRAME_BYTES, m.Generate: 4 * 1024 * 1024}
-DEFAULT_MAX_PAYLOAD = 256 * 1024  # token frames, heartbeats, errors, cancels
+DEFAULT_MAX_PAYLOAD = 64 * 1024  # token frames, heartbeats, errors, cancels
 MAX_ARRAY_LEN = 1 << 20  # longest list (a Generate's prompt token ids)
 MAX_MAP_LEN = 64  # our maps are structs with a handful of fields
 
