@@ -40,8 +40,13 @@ class FakeWorker:
             self.sock.curve_secretkey = keys.secret
         self.sock.connect(address)
 
-    def send(self, msg: Any) -> None:
-        self.sock.send_multipart(codec.encode(msg))
+    def send(self, msg: Any) -> bool:
+        """False when the socket would not take it (e.g. its handshake was refused)."""
+        try:
+            self.sock.send_multipart(codec.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def recv(self, timeout_s: float = 5.0) -> Any | None:
         """The next message, or None if none arrives in time."""
