@@ -18,11 +18,9 @@ does not decode is logged and answered with a ProtocolError, never raised into t
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -31,9 +29,16 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from gateway.config import GatewayConfig
-from gateway.registry import ModelEntry, Registry, WorkerState, check_hello
+from gateway.hello import Refused, vet_hello
+from gateway.registry import ModelEntry, Registry, WorkerState
+from gateway.request_handle import (
+    NoWorkerError,
+    RequestHandle,
+    Stopping,
+    WorkerLost,
+    new_request_id,
+)
 from gateway.router import Router
-from gateway.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 from protocol.transport import KeyPair, configure_router, is_loopback, load_secret_key
@@ -46,49 +51,6 @@ log = logging.getLogger("kestrel.gateway.engine")
 RESET_INTERVAL_S = 2.0  # at most one Reset per unknown peer per interval
 MAX_PENDING_HELLOS = 8  # Hellos being checked at once; more are dropped (the worker retries)
 FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout"})
-_EMPTY_TOKENIZER = m.TokenizerInfo("", None, None, None, [])
-
-
-class NoWorkerError(RuntimeError):
-    """No ready worker serves the model (with a context that fits the request)."""
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    """Event put on a request's queue when its worker died or went silent."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Stopping:
-    """Event put on every request's queue when the gateway's drain timeout passes."""
-
-    reason: str
-
-
-class RequestHandle:
-    def __init__(self, gen: m.Generate, worker: WorkerState, deadline: float | None) -> None:
-        self.request_id = gen.request_id
-        self.gen = gen
-        self.worker = worker
-        self.deadline = deadline  # monotonic; None: none
-        self.events: asyncio.Queue[m.TokenOutput | m.RequestError | WorkerLost | Stopping] = \
-            asyncio.Queue()
-        self.closed = False
-        self.answered = False  # a frame came back: it can no longer be retried elsewhere
-        self.retried = False
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-
-_ids = itertools.count()
-
-
-def new_request_id() -> str:
-    # Unique across workers and gateway restarts: random prefix plus a counter.
-    return f"{uuid.uuid4().hex[:12]}-{next(_ids)}"
 
 
 class EngineClient:
@@ -312,40 +274,24 @@ class EngineClient:
         await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, False, reason))
 
     async def _on_hello(self, identity: bytes, body: list[bytes]) -> None:
+        if identity in self.workers:  # a repeated Hello: answer it again, unread
+            await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
+            return
         try:
-            hello = await asyncio.to_thread(codec.decode, body)
+            vetted = await vet_hello(self.registry, body)
         except codec.DecodeError as exc:
             log.warning("dropped a Hello that did not decode: %s", exc)
             await self._send(identity, m.ProtocolError(f"gateway could not decode: {exc}"))
             return
-        reason = check_hello(hello)
-        if reason is not None:
-            await self._refuse(identity, "(unnamed)", reason)
+        if isinstance(vetted, Refused):
+            await self._refuse(identity, vetted.who, vetted.reason)
             return
-        if identity in self.workers:  # a repeated Hello: answer it again
-            await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
-            return
-        digest = await asyncio.to_thread(codec.tokenizer_digest, hello.tokenizer)
-        reason = self.registry.refuse_reason(hello, digest)
-        tokenizer = None
-        if reason is None and hello.model_id not in self.models:
-            try:
-                tokenizer = await asyncio.to_thread(GatewayTokenizer.from_info, hello.tokenizer)
-            except Exception as exc:
-                log.exception("a worker sent a tokenizer that does not load")
-                reason = f"tokenizer did not load: {type(exc).__name__}"
-            else:  # another worker may have registered the model meanwhile
-                reason = self.registry.refuse_reason(hello, digest)
-        if reason is not None:
-            await self._refuse(identity, "for " + hello.model_id, reason)
-            return
-        # Keep no per-worker copy of the tokenizer (megabytes): the model entry has it built.
-        slim = replace(hello, tokenizer=_EMPTY_TOKENIZER)
-        worker = self.registry.admit(identity, slim, digest, tokenizer)
+        hello = vetted.hello
+        worker = self.registry.admit(identity, hello, vetted.digest, vetted.tokenizer)
         self._last_reset.pop(identity, None)
         await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
         log.info("worker %s ready: model %s, max_model_len %d, KV %d tokens", worker.name,
-                 slim.model_id, slim.max_model_len, slim.kv_capacity_tokens)
+                 hello.model_id, hello.max_model_len, hello.kv_capacity_tokens)
 
     # ---- losing workers ---------------------------------------------------------------------
 
