@@ -15,7 +15,7 @@ import httpx
 
 from tests.procs import GatewayProc, WorkerProc
 
-STREAMS = 12
+STREAMS = 6
 
 
 def engine_port(gw: GatewayProc) -> int:
@@ -54,7 +54,7 @@ class Stream(threading.Thread):
         self.finish: str | None = None
 
     def run(self) -> None:
-        body = {"prompt": f"stream {self.i} says", "max_tokens": 40, "ignore_eos": True,
+        body = {"prompt": f"stream {self.i} says", "max_tokens": 100, "ignore_eos": True,
                 "stream": True, "temperature": 0}
         with httpx.stream("POST", self.gw.base_url + "/v1/completions", json=body,
                           timeout=120) as resp:
@@ -84,19 +84,28 @@ def test_kill_one_worker_under_load_retries_its_waiting_streams(tiny_model_dir: 
             b = WorkerProc(tiny_model_dir, f"tcp://127.0.0.3:0;127.0.0.1:{port}", *flags).start()
             wait_for(lambda: len(health(gw)["workers"]) == 2, 120, "worker b")
             assert {"127.0.0.2", "127.0.0.3"} <= sources_connected(port)
-            name_a = health(gw)["workers"][0]["id"]  # a joined first
+            names = [w["id"] for w in health(gw)["workers"]]  # in joining order: a, b
+            procs = {names[0]: (a, "127.0.0.2"), names[1]: (b, "127.0.0.3")}
             streams = [Stream(gw, i) for i in range(STREAMS)]
             for s in streams:
                 s.start()
-            # Both workers busy, each with requests still waiting behind its 2 running ones.
-            wait_for(lambda: all(w["in_flight"] > 2 for w in health(gw)["workers"]) and
-                     sum(s.tokens > 0 for s in streams) >= 2, 60, "load on both workers")
+            # A worker with requests waiting behind its 2 running ones (which have tokens).
+            busy: list[str] = []
+
+            def loaded() -> bool:
+                busy[:] = [w["id"] for w in health(gw)["workers"] if w["in_flight"] > 2]
+                return bool(busy) and sum(s.tokens > 0 for s in streams) >= 2
+
+            wait_for(loaded, 60, "a worker with waiting requests")
+            victim, (proc, source) = busy[0], procs[busy[0]]
             had_tokens = {s.i for s in streams if s.tokens > 0}
-            a.kill()
+            proc.kill()
             for s in streams:
                 s.join(120)
             failed = {s.i for s in streams if s.error is not None}
-            assert failed, "no stream was on the killed worker"
+            assert failed, ([ln["msg"] for ln in gw.log_lines() if "dropped" in ln.get("msg", "")],
+                            [(s.i, s.done, s.finish, s.tokens, s.error) for s in streams],
+                            victim, had_tokens)
             assert all(s.error == "worker_lost" for s in streams if s.i in failed)
             assert failed <= had_tokens  # only streams that had tokens fail
             assert all(s.done and s.finish == "length" for s in streams if s.i not in failed), [
@@ -104,14 +113,19 @@ def test_kill_one_worker_under_load_retries_its_waiting_streams(tiny_model_dir: 
             moved = [ln for ln in gw.log_lines() if "sent elsewhere" in ln.get("msg", "")]
             assert moved and " 0 sent elsewhere" not in moved[-1]["msg"], moved
             # It rejoins from its own address and takes work again.
-            a = WorkerProc(tiny_model_dir, f"tcp://127.0.0.2:0;127.0.0.1:{port}", *flags).start()
-            wait_for(lambda: len(health(gw)["workers"]) == 2, 120, "worker a to rejoin")
-            assert name_a not in {w["id"] for w in health(gw)["workers"]}  # a new life
+            again = WorkerProc(tiny_model_dir, f"tcp://{source}:0;127.0.0.1:{port}", *flags)
+            if proc is a:
+                a = again.start()
+            else:
+                b = again.start()
+            wait_for(lambda: len(health(gw)["workers"]) == 2, 120, "the worker to rejoin")
+            assert victim not in {w["id"] for w in health(gw)["workers"]}  # a new life
+            assert source in sources_connected(port)
             for i in range(10):
                 r = httpx.post(gw.base_url + "/v1/completions", timeout=30, json={
                     "prompt": f"after the rejoin {i}", "max_tokens": 3})
                 assert r.status_code == 200
-            assert any(e.get("event") == "request_start" for e in a.log_lines())
+            assert any(e.get("event") == "request_start" for e in again.log_lines())
         finally:
             a.stop()
             if b is not None:
