@@ -89,12 +89,14 @@ def test_kill_one_worker_under_load_retries_its_waiting_streams(tiny_model_dir: 
             streams = [Stream(gw, i) for i in range(STREAMS)]
             for s in streams:
                 s.start()
-            # A worker with requests waiting behind its 2 running ones (which have tokens).
+            # A worker with requests waiting behind its 2 running ones, and tokens on 4 streams:
+            # both workers' running pairs have answered (a running request that has not answered
+            # yet would rightly be retried, not failed).
             busy: list[str] = []
 
             def loaded() -> bool:
                 busy[:] = [w["id"] for w in health(gw)["workers"] if w["in_flight"] > 2]
-                return bool(busy) and sum(s.tokens > 0 for s in streams) >= 2
+                return bool(busy) and sum(s.tokens > 0 for s in streams) >= 4
 
             wait_for(loaded, 60, "a worker with waiting requests")
             victim, (proc, source) = busy[0], procs[busy[0]]
