@@ -49,6 +49,10 @@ class WorkerConfig:
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (chunked prefill)")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
                                    flags=("--enable-prefix-caching",))
+    link_secret_key: str = setting("", "this worker's CURVE secret certificate (NAME.key_secret "
+                                   "from kestrel-keygen); with --link-gateway-key turns on "
+                                   "authentication and encryption of the engine link")
+    link_gateway_key: str = setting("", "the gateway's public certificate (its .key file)")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default)")
@@ -80,5 +84,10 @@ class WorkerConfig:
             raise ValueError("max_model_len and threads must be >= 0")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
+        if bool(self.link_secret_key) != bool(self.link_gateway_key):
+            raise ValueError("link_secret_key and link_gateway_key go together")
+        for name in ("link_secret_key", "link_gateway_key"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")

@@ -7,11 +7,21 @@ The engine loop never touches the DEALER and never waits on the network: it drai
 between steps and pushes encoded frames to an inproc socket that this thread forwards. The thread
 also says Hello, sends heartbeats with the latest stats snapshot, and answers frames that do not
 decode with a ProtocolError instead of dying.
+
+Unwelcomed (before the first Welcome, or after a Reset from a restarted gateway) the thread has
+one Hello outstanding at a time, sent again only after HELLO_RETRY_S without an answer, however
+many Resets arrive; the engine's frames meanwhile belong to the old gateway's requests and are
+dropped, not sent (each would earn another Reset). Sends never block: the DEALER queues nothing
+for a connection that is not up (IMMEDIATE), and a frame it cannot take is dropped.
+
+A Generate carries the time left to its deadline; it becomes a deadline on this host's clock
+the moment it arrives, so the two hosts' clocks need not agree.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -22,11 +32,20 @@ import zmq
 
 from protocol import codec
 from protocol import messages as m
-from protocol.transport import configure_dealer
+from protocol.transport import KeyPair, configure_dealer
 
 log = logging.getLogger("kestrel.worker.link")
 
 HELLO_RETRY_S = 3.0
+HELLO_RETRY_UNSENT_S = 0.5  # the Hello could not leave (no connection yet): try again soon
+
+
+def local_deadline(gen: m.Generate) -> m.Generate:
+    """The Generate with `deadline` on this host's clock: now + the time it had left."""
+    timeout = gen.timeout_s
+    if timeout is None or not math.isfinite(timeout):
+        return replace(gen, deadline=None)
+    return replace(gen, deadline=time.time() + max(0.0, timeout))
 
 
 class Outbound:
@@ -45,17 +64,22 @@ class Outbound:
 
 
 class WorkerLink:
-    def __init__(self, address: str, hello: m.Hello, heartbeat_s: float) -> None:
+    def __init__(self, address: str, hello: m.Hello, heartbeat_s: float,
+                 keys: KeyPair | None = None, gateway_key: bytes | None = None) -> None:
         self.address = address
         self.hello = hello
         self.heartbeat_s = heartbeat_s
+        self.keys = keys
+        self.gateway_key = gateway_key
         self.inbound: queue.Queue[Any] = queue.Queue()
-        # request id -> monotonic time its Cancel reached this thread (read by the engine loop).
+        # request id -> monotonic time its Cancel reached this thread (read by the engine loop,
+        # which removes the entry when the request ends or when the Cancel finds it ended).
         self.cancel_arrivals: dict[str, float] = {}
         self.stats = m.Stats()  # replaced whole by the engine loop; a reference swap is atomic
         self.draining = False
         self.welcomed = threading.Event()
         self.rejected: str | None = None
+        self._next_hello = 0.0  # monotonic time of the next Hello while unwelcomed
         self._ctx = zmq.Context()
         self._inproc = f"inproc://kestrel-out-{id(self)}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -81,13 +105,12 @@ class WorkerLink:
 
     def _run(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
-        configure_dealer(dealer, self.hello.worker_id)
+        configure_dealer(dealer, self.hello.worker_id, self.keys, self.gateway_key)
         dealer.connect(self.address)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        self._send(dealer, self.hello)
-        last_hello = next_beat = time.monotonic()
+        next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
                 timeout_ms = max(0.0, min(next_beat - time.monotonic(), 0.1)) * 1000
@@ -97,9 +120,9 @@ class WorkerLink:
                 if dealer in events:
                     self._receive(dealer)
                 now = time.monotonic()
-                if not self.welcomed.is_set() and now - last_hello > HELLO_RETRY_S:
-                    self._send(dealer, self.hello)  # the gateway may not have been up yet
-                    last_hello = now
+                if not self.welcomed.is_set() and now >= self._next_hello:
+                    sent = self._send(dealer, self.hello)
+                    self._next_hello = now + (HELLO_RETRY_S if sent else HELLO_RETRY_UNSENT_S)
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_s
                     if self.welcomed.is_set():
@@ -119,10 +142,18 @@ class WorkerLink:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            dealer.send_multipart(frames)
+            if self.welcomed.is_set():  # else: stale, for a gateway that no longer knows us
+                self._send_frames(dealer, frames)
 
-    def _send(self, dealer: zmq.Socket, msg: Any) -> None:
-        dealer.send_multipart(codec.encode(msg))
+    def _send(self, dealer: zmq.Socket, msg: Any) -> bool:
+        return self._send_frames(dealer, codec.encode(msg))
+
+    def _send_frames(self, dealer: zmq.Socket, frames: list[bytes]) -> bool:
+        try:
+            dealer.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # no connection up, or the gateway stopped reading: drop it
+            return False
 
     def _receive(self, dealer: zmq.Socket) -> None:
         while True:
@@ -151,13 +182,15 @@ class WorkerLink:
             self.cancel_arrivals.setdefault(msg.request_id, time.monotonic())
             self.inbound.put(msg)
         elif isinstance(msg, m.Generate):
-            self.inbound.put(msg)
+            self.inbound.put(local_deadline(msg))
         elif isinstance(msg, m.Reset):
             # A gateway that does not know us (it restarted): its requests are gone with it.
-            log.warning("gateway asked for a new hello: %s", msg.reason)
-            self.welcomed.clear()
-            self.inbound.put(msg)
-            self._send(dealer, replace(self.hello))
+            # Only the first Reset counts; while unwelcomed, one Hello is outstanding at a time.
+            if self.welcomed.is_set():
+                log.warning("gateway asked for a new hello: %s", msg.reason)
+                self.welcomed.clear()
+                self.inbound.put(msg)
+                self._next_hello = 0.0
         elif isinstance(msg, m.ProtocolError):
             log.warning("gateway could not decode a frame of ours: %s", msg.message)
         else:

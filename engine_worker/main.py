@@ -25,9 +25,10 @@ from engine_worker.memory_budget import kv_budget_bytes
 from engine_worker.naming import served_names
 from engine_worker.sequence import SequenceStatus
 from protocol import messages as m
+from protocol.codec import tokenizer_digest
 from protocol.jsonlog import setup_logging
 from protocol.settings import parse_settings
-from protocol.transport import new_worker_id
+from protocol.transport import is_loopback, load_public_key, load_secret_key, new_worker_id
 
 log = logging.getLogger("kestrel.worker")
 
@@ -103,6 +104,10 @@ class WorkerLoop:
             self.unscheduled.add(msg.request_id)
         elif isinstance(msg, m.Cancel):
             self._send_all(self.engine.abort(msg.request_id, "abort"))
+            if msg.request_id not in self.engine.requests:
+                # Ended before (or by) this Cancel: its end was logged already, or it never
+                # existed here; either way nothing will pop the arrival time now.
+                self.link.cancel_arrivals.pop(msg.request_id, None)
         elif isinstance(msg, m.Reset):
             for rid in list(self.engine.requests):
                 self._send_all(self.engine.abort(rid, "abort"))
@@ -152,6 +157,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
     from engine_worker.model.loader import tokenizer_info
 
     names = served_names(cfg.model, checkpoint, cfg.served_names())
+    info = tokenizer_info(checkpoint)
     return m.Hello(
         protocol_version=m.PROTOCOL_VERSION,
         worker_id=new_worker_id(),
@@ -159,13 +165,28 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         max_model_len=runner.max_model_len,
         kv_capacity_tokens=runner.num_blocks * runner.block_size,
         max_num_seqs=cfg.max_num_seqs,
-        tokenizer=tokenizer_info(checkpoint),
+        tokenizer=info,
         device=str(runner.device),
         dtype=cfg.dtype,
         quantization=cfg.quantization,
         weight_bytes=runner.weight_bytes,
         aliases=list(names[1:]),
+        block_size=runner.block_size,
+        tokenizer_digest=tokenizer_digest(info),
     )
+
+
+def open_link(cfg: WorkerConfig, hello: m.Hello) -> Any:
+    """The worker's link, with CURVE keys when configured (warned about off loopback)."""
+    from engine_worker.link import WorkerLink
+
+    keys = load_secret_key(cfg.link_secret_key) if cfg.link_secret_key else None
+    gateway_key = load_public_key(cfg.link_gateway_key) if cfg.link_gateway_key else None
+    if keys is None and not is_loopback(cfg.gateway_address):
+        log.warning("joining %s without CURVE keys: the link is neither authenticated nor "
+                    "encrypted (pass --link-secret-key and --link-gateway-key)",
+                    cfg.gateway_address)
+    return WorkerLink(cfg.gateway_address, hello, cfg.heartbeat_s, keys, gateway_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine_worker.engine import Engine
-    from engine_worker.link import WorkerLink
     from engine_worker.model.loader import resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
 
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
         "kv_capacity_tokens": hello.kv_capacity_tokens, "max_model_len": hello.max_model_len,
         "worker_id": hello.worker_id}})
-    link = WorkerLink(cfg.gateway_address, hello, cfg.heartbeat_s)
+    link = open_link(cfg, hello)
     link.start()
     loop = WorkerLoop(cfg, engine, link, stop)
     try:

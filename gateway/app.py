@@ -72,7 +72,9 @@ async def list_models(request: Request) -> Response:
 
 
 def _health_body(state: GatewayState) -> dict:
-    workers = [{"id": w.hello.worker_id, "model": w.hello.model_id, "ready": w.ready,
+    # "id" is the gateway's opaque name for the worker, never its worker id (which is also its
+    # routing id on the engine link).
+    workers = [{"id": w.name, "model": w.hello.model_id, "ready": w.ready,
                 "draining": w.draining, "in_flight": len(w.inflight), "device": w.hello.device,
                 "running": w.stats.running, "waiting": w.stats.waiting,
                 "last_seen_s": round(time.monotonic() - w.last_seen, 3)}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from gateway.router import ROUTING_POLICIES
 from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
@@ -27,6 +29,13 @@ class GatewayConfig:
     rate_limit_rps: float = setting(0.0, "per-client requests per second (0: off)")
     rate_limit_burst: int = setting(10, "per-client burst size")
     heartbeat_timeout_s: float = setting(1.5, "a worker silent this long is lost")
+    link_secret_key: str = setting("", "the gateway's CURVE secret certificate (NAME.key_secret "
+                                   "from kestrel-keygen); with --link-authorized-keys turns "
+                                   "on authentication and encryption of the engine link")
+    link_authorized_keys: str = setting("", "folder of the public certificates (.key) of the "
+                                        "workers allowed to join")
+    routing: str = setting("cache_aware", "worker choice: cache_aware (load and prefix blocks "
+                           "held) or least_loaded")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
@@ -44,6 +53,14 @@ class GatewayConfig:
             raise ValueError("default_timeout_s and heartbeat_timeout_s must be positive")
         if self.rate_limit_rps < 0 or self.drain_timeout_s < 0:
             raise ValueError("rate_limit_rps and drain_timeout_s must be >= 0")
+        if bool(self.link_secret_key) != bool(self.link_authorized_keys):
+            raise ValueError("link_secret_key and link_authorized_keys go together")
+        if self.link_secret_key and not os.path.isfile(self.link_secret_key):
+            raise ValueError(f"link_secret_key {self.link_secret_key!r} is not a file")
+        if self.link_authorized_keys and not os.path.isdir(self.link_authorized_keys):
+            raise ValueError(f"link_authorized_keys {self.link_authorized_keys!r} is not a folder")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")
 

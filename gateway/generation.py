@@ -173,12 +173,13 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     async def start(self) -> None:
-        wall_deadline = time.time() + max(0.0, self.deadline - time.monotonic())
-        gen = m.Generate(self.request_id, self.prompt_ids, self.params, wall_deadline)
+        # The link sends the time left (timeout_s), never a wall-clock instant: the worker's
+        # clock need not agree with ours.
+        gen = m.Generate(self.request_id, self.prompt_ids, self.params)
         # Taken before the await: once it yields, a busy loop may resume us after the worker
         # has already answered.
         self.timings.sent = time.monotonic()
-        self.handle = await self.client.submit(self.model.model_id, gen)
+        self.handle = await self.client.submit(self.model.model_id, gen, self.deadline)
         self._live = True
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:

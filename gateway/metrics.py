@@ -2,7 +2,7 @@
 
     a request ends ──service.record()──▶ request counter, latency and length histograms, tokens
     worker heartbeat (Stats, every 0.25 s) ──▶ WorkerState.stats ──WorkerCollector, at scrape──▶
-        per-worker gauges and counters, label `worker` (the worker's id)
+        per-worker gauges and counters, label `worker` (the gateway's opaque name for it)
     admission and the engine link ──set_function, at scrape──▶ waiting / in-flight / ready gauges
 
 Token counters are the gateway's own: every token a request received from its worker, aborted and
@@ -53,7 +53,7 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
 class WorkerView(Protocol):
     """What the collector reads of a worker (gateway.engine_client.WorkerState)."""
 
-    hello: m.Hello
+    name: str  # the gateway's opaque "w<index>", never the worker's own id
     stats: m.Stats
 
 
@@ -94,7 +94,7 @@ class WorkerCollector(Collector):
         (running, waiting, kv), counters = self._families()
         high: dict[str, dict[str, float]] = {}
         for w in self._workers():
-            wid, s = w.hello.worker_id, w.stats
+            wid, s = w.name, w.stats  # a bounded label: the registry caps how many
             running.add_metric([wid], s.running)
             waiting.add_metric([wid], s.waiting)
             kv.add_metric([wid], s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total

@@ -66,7 +66,7 @@ class GatewayState:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.keys = cfg.keys()
-        self.client = EngineClient(cfg.engine_address, cfg.heartbeat_timeout_s)
+        self.client = EngineClient.from_config(cfg)
         self.admission = Admission(self._limit, cfg.max_queue)
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
@@ -272,7 +272,7 @@ class GatewayState:
                 # the part of the queue wait spent in the gateway's own admission queue
                 gateway_wait_ms=None if t.sent is None else _ms(t.sent - arrival),
                 engine_request_id=gen.request_id,
-                worker=gen.handle.worker.hello.worker_id if gen.handle else None)
+                worker=gen.handle.worker.name if gen.handle else None)
         log.info("request ended", extra={"fields": fields})
 
 

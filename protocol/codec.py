@@ -11,6 +11,8 @@ the caller answers or logs; it never reaches the engine or the HTTP layer half-b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from typing import Any
@@ -34,7 +36,15 @@ TYPE_CODES: dict[type, int] = {
 }
 CODE_TYPES: dict[int, type] = {code: cls for cls, code in TYPE_CODES.items()}
 
-MAX_FRAME_BYTES = 64 * 1024 * 1024  # a Hello carries a tokenizer (~3.5 MB for SmolLM2)
+# Size limits. The socket's MAXMSGSIZE (protocol.transport) refuses anything over
+# MAX_FRAME_BYTES before it is read whole; a Hello carries a tokenizer (~3.5 MB for SmolLM2,
+# ~9 MB for Llama 3), every other message is small. A payload over its type's limit is refused
+# before msgpack sees it, and msgpack itself is bounded so no frame can build huge containers.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_PAYLOAD_BYTES: dict[type, int] = {m.Hello: MAX_FRAME_BYTES, m.Generate: 4 * 1024 * 1024}
+DEFAULT_MAX_PAYLOAD = 64 * 1024  # token frames, heartbeats, errors, cancels
+MAX_ARRAY_LEN = 1 << 20  # longest list (a Generate's prompt token ids)
+MAX_MAP_LEN = 64  # our maps are structs with a handful of fields
 
 
 class DecodeError(ValueError):
@@ -48,19 +58,43 @@ def encode(msg: Any) -> list[bytes]:
     return [bytes([code]), msgpack.packb(_to_plain(msg), use_bin_type=True)]
 
 
+def peek_type(frames: list[bytes]) -> type | None:
+    """The message class a frame claims to be, read from its type byte alone (no decoding), or
+    None when the layout or the byte is wrong. For dropping unwanted frames cheaply."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        return None
+    return CODE_TYPES.get(frames[0][0])
+
+
 def decode(frames: list[bytes]) -> Any:
     if len(frames) != 2:
         raise DecodeError(f"expected 2 frames [type, payload], got {len(frames)}")
     type_frame, payload = frames
     if len(type_frame) != 1 or type_frame[0] not in CODE_TYPES:
         raise DecodeError(f"unknown message type {type_frame[:8]!r}")
-    if len(payload) > MAX_FRAME_BYTES:
-        raise DecodeError(f"payload of {len(payload)} bytes is over the limit")
+    cls = CODE_TYPES[type_frame[0]]
+    limit = MAX_PAYLOAD_BYTES.get(cls, DEFAULT_MAX_PAYLOAD)
+    if len(payload) > limit:
+        raise DecodeError(f"{cls.__name__} payload of {len(payload)} bytes is over its "
+                          f"limit of {limit}")
     try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=limit,
+                               max_str_len=limit, max_array_len=MAX_ARRAY_LEN,
+                               max_map_len=MAX_MAP_LEN, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         raise DecodeError(f"payload is not msgpack: {exc}") from None
-    return _build(CODE_TYPES[type_frame[0]], data)
+    return _build(cls, data)
+
+
+def tokenizer_digest(info: m.TokenizerInfo) -> str:
+    """A stable sha256 over every field of a TokenizerInfo: two workers of one model agree."""
+    h = hashlib.sha256()
+    for part in (info.tokenizer_json, info.chat_template or "", info.bos_token or "",
+                 info.eos_token or "", json.dumps(info.eos_token_ids), str(info.add_bos_token)):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()
 
 
 def _to_plain(obj: Any) -> Any:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+# 2: Generate carries the remaining time (timeout_s), not a wall-clock deadline; Hello carries
+# the KV block size and a tokenizer digest.
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ class Hello:
     quantization: str = "none"
     weight_bytes: int = 0
     aliases: list[str] = field(default_factory=list)  # other names requests may use
+    block_size: int = 16  # tokens per KV block: the gateway's prefix index hashes blocks this size
+    # sha256 of the tokenizer (protocol.tokenizer_digest). The gateway recomputes it from
+    # `tokenizer` and refuses a Hello whose digest, or whose tokenizer, differs from the one its
+    # model was registered with.
+    tokenizer_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,12 @@ class Generate:
     request_id: str  # unique across workers
     prompt_token_ids: list[int]
     params: SamplingParams
-    deadline: float | None = None  # wall-clock seconds since the epoch; None: no deadline
+    # Seconds left until the request's deadline when the gateway sent it; None: no deadline.
+    # Remaining time, not a wall-clock instant: the two hosts' clocks need not agree.
+    timeout_s: float | None = None
+    # Local to the receiving worker, never meaningful on the wire: its link sets it on arrival
+    # to its own time.time() + timeout_s, which the engine's expiry compares against.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -164,3 +176,4 @@ NESTED: dict[str, type] = {
     "tokenizer": TokenizerInfo,
     "stats": Stats,
 }
+

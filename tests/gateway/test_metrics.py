@@ -26,8 +26,8 @@ class FakeWorker:
     stats: m.Stats = field(default_factory=m.Stats)
 
     @property
-    def hello(self) -> Any:
-        return SimpleNamespace(worker_id=self.worker_id)
+    def name(self) -> str:  # the gateway's opaque name for a worker: the metric label
+        return self.worker_id
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -136,7 +136,7 @@ def fake_gen(reasons: list[str | None], tokens: int = 3) -> Any:
     t = Timings(arrival=0.0)
     for i in range(tokens):
         t.on_tokens(0, 1, 0.1 * (i + 1), since_scheduled_s=0.04 if i == 0 else None)
-    worker = SimpleNamespace(hello=SimpleNamespace(worker_id="w" * 32))
+    worker = SimpleNamespace(name="w1")
     return SimpleNamespace(timings=t, prompt_tokens=7, completion_tokens=tokens,
                            finish_reasons=reasons, request_id="eng-1",
                            handle=SimpleNamespace(worker=worker))
@@ -174,7 +174,7 @@ def test_record_counts_and_logs_every_exit(state: GatewayState, caplog: pytest.L
     admitted = g is not None
     assert scrape[("kestrel_e2e_request_latency_seconds_count", ())] == int(admitted)
     if admitted:
-        assert (line["tokens_in"], line["tokens_out"], line["worker"]) == (7, 3, "w" * 32)
+        assert (line["tokens_in"], line["tokens_out"], line["worker"]) == (7, 3, "w1")
         assert line["ttft_ms"] == 100.0 and line["queue_wait_ms"] == 60.0
         assert scrape[("kestrel_generation_tokens_total", ())] == 3
         assert scrape[("kestrel_prompt_tokens_total", ())] == 7

@@ -1,0 +1,165 @@
+"""Routing and scaling with simulated-compute workers (no torch, one process per worker).
+
+    python benchmarks/bench_routing.py [--seconds 12] [--workers 1,2,4,8]
+
+Two experiments, each against a real gateway and real `kestrel-sim-worker` processes over real
+ZeroMQ; only the workers' compute is simulated (a sleep per engine step by a cost model):
+
+  scaling   closed loop, concurrency = workers x max_num_seqs, short prompts: completion
+            tokens/s with N workers against N x one worker's (goal: >= 0.9)
+  prefix    16 long shared system prompts (one per "tenant") with unique questions, 4 workers
+            whose prefix caches each hold only a few of them: prefix-hit rate (cached prompt
+            tokens / prompt tokens, from the responses' usage) with routing cache_aware vs
+            least_loaded
+
+Prints Markdown tables. No assertion: figures go to INFERENCE_BENCHMARK_REPORT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.procs import GatewayProc, Proc  # noqa: E402
+
+
+@dataclass
+class Result:
+    requests: int = 0
+    errors: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+def tokenizer_dir() -> Path:
+    from engine_worker.model.loader import resolve_checkpoint
+
+    cache = Path.home() / ".cache" / "kestrel"
+    tiny = cache / "tiny-llama-seed0"
+    return tiny if (tiny / "tokenizer.json").is_file() else resolve_checkpoint("default", cache)
+
+
+def start(n: int, routing: str, worker_flags: list[str]) -> tuple[GatewayProc, list[Proc]]:
+    gw = GatewayProc("--routing", routing, "--max-queue", "1024", "--max-prompt-chars", "20000",
+                     "--log-level", "WARNING").start()
+    workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
+                     str(tokenizer_dir()), "--gateway-address", gw.engine_address,
+                     "--log-level", "WARNING", *worker_flags]).start() for _ in range(n)]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            health = httpx.get(gw.base_url + "/health", timeout=2).json()
+            if len(health["workers"]) == n:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(gw.output()[-2000:])
+        time.sleep(0.1)
+    return gw, workers
+
+
+def stop(gw: GatewayProc, workers: list[Proc]) -> None:
+    for w in workers:
+        w.stop()
+    gw.stop()
+
+
+async def closed_loop(base_url: str, concurrency: int, seconds: float, prompts: list[str],
+                      max_tokens: int, seed: int = 0) -> Result:
+    res = Result()
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
+        t0 = time.monotonic()
+        end = t0 + seconds
+
+        async def user() -> None:
+            while time.monotonic() < end:
+                body = {"prompt": rng.choice(prompts) + f" q{rng.random():.6f}",
+                        "max_tokens": max_tokens, "ignore_eos": True}
+                r = await http.post("/v1/completions", json=body)
+                res.requests += 1
+                if r.status_code != 200:
+                    res.errors += 1
+                    continue
+                usage = r.json()["usage"]
+                res.completion_tokens += usage["completion_tokens"]
+                res.prompt_tokens += usage["prompt_tokens"]
+                res.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        res.seconds = time.monotonic() - t0
+    return res
+
+
+def scaling(counts: list[int], seconds: float) -> None:
+    seqs = 8
+    flags = ["--max-num-seqs", str(seqs), "--step-base-ms", "120", "--decode-seq-ms", "1",
+             "--prefill-token-ms", "0.05"]
+    print("\n### Scaling: simulated workers, closed loop, concurrency = 8 x workers\n")
+    print("| workers | requests | errors | completion tok/s | vs N x one worker |")
+    print("|---:|---:|---:|---:|---:|")
+    base = None
+    for n in counts:
+        gw, workers = start(n, "cache_aware", flags)
+        try:
+            asyncio.run(closed_loop(gw.base_url, n * seqs, 2.0, ["warm up"], 8))
+            res = asyncio.run(closed_loop(gw.base_url, n * seqs, seconds,
+                                          [f"short prompt {i}" for i in range(64)], 8))
+        finally:
+            stop(gw, workers)
+        tps = res.completion_tokens / res.seconds
+        base = base or tps / n
+        print(f"| {n} | {res.requests} | {res.errors} | {tps:.1f} | {tps / (n * base):.2f} |",
+              flush=True)
+
+
+def prefix(seconds: float) -> None:
+    n, tenants = 4, 16
+    # Each worker's cache holds 4096 tokens: about 4 of the ~900-token system prompts.
+    flags = ["--max-num-seqs", "8", "--kv-capacity-tokens", "4096", "--step-base-ms", "30",
+             "--decode-seq-ms", "1", "--prefill-token-ms", "0.2"]
+    prompts = [" ".join(f"tenant{t} rule {i} says be helpful." for i in range(110))
+               for t in range(tenants)]
+    print("\n### Shared prefixes: 16 system prompts, 4 simulated workers, concurrency 16\n")
+    print("| routing | requests | errors | prefix-hit rate | completion tok/s |")
+    print("|---|---:|---:|---:|---:|")
+    for routing in ("cache_aware", "least_loaded"):
+        gw, workers = start(n, routing, flags)
+        try:
+            res = asyncio.run(closed_loop(gw.base_url, 16, seconds, prompts, 8, seed=1))
+        finally:
+            stop(gw, workers)
+        hit = res.cached_tokens / max(1, res.prompt_tokens)
+        print(f"| {routing} | {res.requests} | {res.errors} | {hit:.3f} | "
+              f"{res.completion_tokens / res.seconds:.1f} |", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--workers", default="1,2,4,8")
+    parser.add_argument("--only", choices=("scaling", "prefix"), default=None)
+    args = parser.parse_args()
+    if args.only in (None, "scaling"):
+        scaling([int(x) for x in args.workers.split(",")], args.seconds)
+    if args.only in (None, "prefix"):
+        prefix(args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The worker's link and loop glue, without a model: cancels after the end, remaining-time
+deadlines on a clock that runs ahead, one Hello however many Resets, stale frames dropped.
+
+Uses the simulated engine (no torch) and a real WorkerLink against a ROUTER the test plays.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import zmq
+
+from engine_worker import link as link_module
+from engine_worker.link import WorkerLink, local_deadline
+from engine_worker.main import WorkerLoop
+from engine_worker.sim_engine import CostModel, SimEngine
+from protocol import codec
+from protocol import messages as m
+from tests.procs import free_port
+
+TOK = m.TokenizerInfo("{}", None, None, None, [0])
+
+
+def sim_engine() -> SimEngine:
+    return SimEngine(4, 1024, 16, 256, CostModel(0.0, 0.0, 0.0))
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.cancel_arrivals: dict[str, float] = {}
+        self.sent: list = []
+        self.rejected = None
+        self.draining = False
+        self.stats = m.Stats()
+
+    def open_outbound(self) -> FakeLink:
+        return self
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)
+
+
+class Cfg:
+    drain_timeout_s = 1.0
+
+
+def test_a_cancel_after_the_request_ended_leaves_nothing_behind() -> None:
+    engine, link = sim_engine(), FakeLink()
+    loop = WorkerLoop(Cfg(), engine, link, threading.Event())  # type: ignore[arg-type]
+    loop._handle(m.Generate("r1", [1, 2, 3], m.SamplingParams(max_tokens=2)))
+    while engine.has_work:
+        loop._send_all(engine.step())
+    for rid in ("r1", "never-seen"):  # ended before its Cancel; or never here at all
+        link.cancel_arrivals[rid] = time.monotonic()  # what the I/O thread records
+        loop._handle(m.Cancel(rid))
+    assert link.cancel_arrivals == {}
+
+
+def test_a_cancel_of_a_running_request_is_logged_then_forgotten() -> None:
+    engine, link = sim_engine(), FakeLink()
+    loop = WorkerLoop(Cfg(), engine, link, threading.Event())  # type: ignore[arg-type]
+    loop._handle(m.Generate("r1", [1, 2, 3], m.SamplingParams(max_tokens=50)))
+    loop._send_all(engine.step())
+    link.cancel_arrivals["r1"] = time.monotonic()
+    loop._handle(m.Cancel("r1"))
+    assert link.cancel_arrivals == {} and link.sent[-1].finish_reason == "abort"
+
+
+def test_a_deadline_is_remaining_time_so_a_clock_ahead_times_nothing_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = time.time
+    monkeypatch.setattr(link_module.time, "time", lambda: real() + 3600)  # an hour ahead
+    gen = local_deadline(m.Generate("r1", [1, 2], m.SamplingParams(), timeout_s=30.0))
+    assert gen.deadline is not None and abs(gen.deadline - (real() + 3630)) < 1
+    engine = sim_engine()
+    engine.add(gen)
+    assert engine.expired(real() + 3600) == []  # the worker's own now: 30 s left
+    assert engine.expired(real() + 3631) == ["r1"]
+    assert local_deadline(m.Generate("r2", [1], m.SamplingParams())).deadline is None
+
+
+class FakeGateway:
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.sock.bind(self.address)
+
+    def recv(self, timeout_s: float) -> tuple[bytes, object] | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        identity, *body = self.sock.recv_multipart()
+        return identity, codec.decode(body)
+
+    def send(self, identity: bytes, msg: object) -> None:
+        self.sock.send_multipart([identity, *codec.encode(msg)])
+
+
+def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
+    gw = FakeGateway()
+    hello = m.Hello(m.PROTOCOL_VERSION, uuid.uuid4().hex, "x", 64, 64, 1, TOK)
+    link = WorkerLink(gw.address, hello, heartbeat_s=10.0)
+    link.start()
+    try:
+        got = gw.recv(10)
+        assert got is not None and isinstance(got[1], m.Hello)
+        identity = got[0]
+        gw.send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
+        assert link.welcomed.wait(5)
+        for _ in range(200):  # a restarted gateway answering each queued frame
+            gw.send(identity, m.Reset("unknown worker: say hello"))
+        out = link.open_outbound()
+        time.sleep(0.3)
+        for i in range(20):  # the engine's frames for the old gateway's requests
+            out.send(m.TokenOutput(f"old-{i}", 0, [5]))
+        seen = []
+        while (item := gw.recv(1.0)) is not None:
+            seen.append(type(item[1]))
+        assert seen.count(m.Hello) == 1 and m.TokenOutput not in seen
+        resets = [msg for msg in list(link.inbound.queue) if isinstance(msg, m.Reset)]
+        assert len(resets) == 1  # the engine aborts its requests once
+        out.close()
+    finally:
+        link.stop()
+        gw.sock.close()
