@@ -6,15 +6,16 @@
 Every flag must be one `protocol.settings.parse_settings` builds for that process's config class,
 every KESTREL_* variable one of its fields, and the values must pass the config's validation.
 
-PENDING_LINK_FLAGS are issue 12's link-key settings, wired into deploy/ before that issue's code
-is merged. Until a config class has the field, its flag (with its value) and variable are
-tolerated and dropped here; once the field exists they are checked like every other. Remove the
-list when issue 12 is merged.
+Path-valued link-key settings (issue 12) are checked to exist by the configs; the deploy files
+name paths inside a container (secrets under /run/secrets, a mounted folder), so `check_command`
+checks each is absolute and then points it at a real local file or folder of the same kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from typing import Any
 
 from engine_worker.config import WorkerConfig
@@ -27,10 +28,10 @@ PROCESSES: dict[str, tuple[type, dict[str, str]]] = {
     "engine_worker.main": (WorkerConfig, {}),
 }
 
-# TODO(issue 12): the link-key settings, not in the code yet. Tolerated only while absent.
-PENDING_LINK_FLAGS: dict[str, set[str]] = {
-    "gateway.main": {"link_secret_key", "link_authorized_keys"},
-    "engine_worker.main": {"link_secret_key", "link_gateway_key"},
+# field -> "file" or "dir": link-key settings whose value must exist where the process runs
+CONTAINER_PATHS: dict[str, dict[str, str]] = {
+    "gateway.main": {"link_secret_key": "file", "link_authorized_keys": "dir"},
+    "engine_worker.main": {"link_secret_key": "file", "link_gateway_key": "file"},
 }
 
 
@@ -43,32 +44,37 @@ def field_names(module: str) -> set[str]:
     return {f.name for f in dataclasses.fields(PROCESSES[module][0])}
 
 
-def pending(module: str) -> set[str]:
-    """Issue 12's settings this process does not have yet."""
-    return PENDING_LINK_FLAGS[module] - field_names(module)
+def _local(kind: str) -> str:
+    if kind == "dir":
+        return tempfile.mkdtemp(prefix="kestrel-deploy-")
+    fd, path = tempfile.mkstemp(prefix="kestrel-deploy-")
+    os.close(fd)
+    return path
 
 
-def strip_pending(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """argv and env without the not-yet-existing link-key flags (each takes one value)."""
-    module = module_of(argv)
-    flags = {"--" + n.replace("_", "-") for n in pending(module)}
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        else:
-            out.append(arg)
-    names = {env_name(n) for n in pending(module)}
-    return out, {k: v for k, v in env.items() if k not in names}
+def localize_paths(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """argv and env with each container path of CONTAINER_PATHS (absolute, or it fails) replaced
+    by a local file or folder of the same kind."""
+    paths = CONTAINER_PATHS[module_of(argv)]
+    flags = {"--" + n.replace("_", "-"): k for n, k in paths.items()}
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg in flags:
+            assert out[i + 1].startswith("/"), f"{arg} {out[i + 1]!r} is not a container path"
+            out[i + 1] = _local(flags[arg])
+    env = dict(env)
+    for name, kind in paths.items():
+        var = env_name(name)
+        if env.get(var):
+            assert env[var].startswith("/"), f"{var}={env[var]!r} is not a container path"
+            env[var] = _local(kind)
+    return out, env
 
 
 def check_command(argv: list[str], env: dict[str, str]) -> Any:
     module = module_of(argv)
     cls, extra_env = PROCESSES[module]
-    argv, env = strip_pending(argv, env)
+    argv, env = localize_paths(argv, env)
     known = {env_name(n) for n in field_names(module)} | set(extra_env.values())
     for name in env:
         if name.startswith(ENV_PREFIX) or name in ("PORT",):

@@ -31,7 +31,6 @@ import pytest
 
 from tests.deploy.compose_files import DEPLOY, project
 from tests.deploy.dockerfile import Dockerfile
-from tests.deploy.process_settings import strip_pending
 from tests.procs import ROOT, Proc, free_port
 
 ADDRESS = re.compile(r"tcp://([^:/]+):(\d+)")
@@ -110,7 +109,7 @@ def mapping(secrets_dir: Path, tiny_model_dir: Path, cache_dir: Path) -> Mapping
 
 
 def started(service: dict[str, Any], mapping: Mapping) -> Iterator[tuple[Proc, dict[str, str]]]:
-    command, env = strip_pending(service["command"], mapping.env(service))
+    command, env = service["command"], mapping.env(service)
     proc = Proc(mapping.argv(command), env)
     with proc:
         yield proc, env
@@ -125,7 +124,7 @@ def test_compose_services_run_as_processes_and_serve(mapping: Mapping, secrets_d
         base = f"http://127.0.0.1:{gw_env['PORT']}"
         # Healthy (live) but not ready: no worker yet. Compose starts the worker now.
         assert httpx.get(base + "/health/ready", timeout=5).status_code == 503
-        wk_env = strip_pending(["python", "-m", "engine_worker.main"], mapping.env(wk_svc))[1]
+        wk_env = mapping.env(wk_svc)
         assert not healthy(wk_svc["healthcheck"]["test"], wk_env, mapping)
         for wk, wk_env in started(wk_svc, mapping):
             wait_healthy(wk_svc["healthcheck"]["test"], wk_env, mapping, wk, timeout=120)
