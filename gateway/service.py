@@ -66,6 +66,9 @@ class GatewayState:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.keys = cfg.keys()
+        # A configured key is text (a file is UTF-8); a header is latin-1-decoded bytes: both
+        # become the bytes that would cross the wire, so a UTF-8 key still matches.
+        self._key_bytes = [k.encode("utf-8") for k in self.keys]
         self.client = EngineClient(cfg.engine_address, cfg.heartbeat_timeout_s)
         self.admission = Admission(self._limit, cfg.max_queue)
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
@@ -108,8 +111,11 @@ class GatewayState:
             return None
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
+        # Compared as bytes: hmac.compare_digest refuses a non-ASCII str (TypeError, a 500),
+        # and a header is whatever bytes the client sent (Starlette decodes them as latin-1).
+        given = key.strip().encode("latin-1", "replace")
         if scheme.lower() != "bearer" or not any(
-                hmac.compare_digest(key.strip(), k) for k in self.keys):
+                hmac.compare_digest(given, k) for k in self._key_bytes):
             raise APIError(401, "a valid API key is required: Authorization: Bearer <key>",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return key.strip()
