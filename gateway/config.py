@@ -25,6 +25,9 @@ class GatewayConfig:
     protect_metrics: bool = setting(False, "require an API key for /metrics too")
     rate_limit_rps: float = setting(0.0, "per-client requests per second (0: off)")
     rate_limit_burst: int = setting(10, "per-client burst size")
+    forwarded_allow_ips: str = setting(
+        "", "comma-separated proxy addresses (or *) whose X-Forwarded-For names the client; "
+        "empty: trust no proxy, the client is the peer address")
     heartbeat_timeout_s: float = setting(1.5, "a worker silent this long is lost")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
