@@ -15,6 +15,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.http_protocol import guarded_h11
 from protocol.jsonlog import setup_logging
 from protocol.settings import parse_settings
 
@@ -64,7 +65,9 @@ def run(cfg: GatewayConfig) -> None:
     trusted = cfg.forwarded_allow_ips.strip()
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
                             access_log=False, timeout_graceful_shutdown=drain, lifespan="on",
-                            proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None)
+                            proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                            http=guarded_h11(cfg.header_timeout_s, cfg.send_timeout_s),
+                            limit_concurrency=cfg.max_connections)
     DrainingServer(config, app).run()
 
 
