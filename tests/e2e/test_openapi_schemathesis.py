@@ -2,8 +2,7 @@
 stack trace against a real gateway and tiny-model worker, which still serves afterwards.
 
 Cases are derandomized (the same every run). KESTREL_SCHEMATHESIS_EXAMPLES sets the cases per
-POST route (default 100 in the suite; the report
-runs 300); the GET routes take no input, so a few cases cover them.
+POST route (default 100 in the suite; the report runs 300); the GET routes take no input, so a few cases cover them.
 --max-tokens-cap 4 keeps the valid generations short.
 """
 
@@ -72,7 +71,7 @@ def test_schemathesis_finds_no_server_error(api_schema: Any) -> None:
             # set itself.
             assert response.status_code < 500 or (
                 response.status_code == 504 and "timeout" in body), (
-                operation.label, response.status_code, response.text[:500], case.body)
+                case.operation.label, response.status_code, response.text[:500], case.body)
             assert "Traceback" not in response.text and 'File "' not in response.text
 
         run()
