@@ -2,7 +2,8 @@
 stack trace against a real gateway and tiny-model worker, which still serves afterwards.
 
 Cases are derandomized (the same every run). KESTREL_SCHEMATHESIS_EXAMPLES sets the cases per
-POST route (default 100 in the suite; the report runs 300); the GET routes take no input, so a few cases cover them.
+POST route (default 100 in the suite; the report runs 300); the GET routes take no input, so a
+few cases cover them.
 --max-tokens-cap 4 keeps the valid generations short.
 """
 
