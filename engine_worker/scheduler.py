@@ -140,6 +140,24 @@ class Scheduler:
             seq.finish_reason = "abort"
         return seqs
 
+    def abort_seq(self, request_id: str, index: int) -> Sequence | None:
+        """Finish one live choice of a request with reason "abort" (its siblings go on);
+        returns it, or None if it is not live."""
+        seq = next((s for s in self._by_request.get(request_id, ()) if s.index == index), None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._finish(seq, "abort")
+        else:
+            self._waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            live = self._by_request[request_id]
+            live.remove(seq)
+            if not live:
+                del self._by_request[request_id]
+        return seq
+
     # -- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledChunk]:

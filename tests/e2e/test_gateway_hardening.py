@@ -212,3 +212,27 @@ def test_connections_beyond_the_limit_are_refused() -> None:
                 s.close()
         wait_until(lambda: httpx.get(gw.base_url + "/health/live").status_code == 200, 5,
                    "still refusing after the connections closed")
+
+
+def test_a_choice_that_hits_a_stop_string_stops_at_the_worker(tight: Any) -> None:
+    gw, wk = tight
+    wait_until(lambda: outstanding(gw) == 0, 10, "idle")
+    base = {"prompt": "Once upon a time", "n": 2, "max_tokens": 40, "ignore_eos": True,
+            "temperature": 1.0, "seed": 7}
+    free = httpx.post(gw.base_url + "/v1/completions", json=base, timeout=60).json()
+    texts = [c["text"] for c in sorted(free["choices"], key=lambda c: c["index"])]
+    # A stop string that choice 0 writes early and choice 1 never writes (seeded: the same
+    # texts again).
+    stop = next((texts[0][i:i + 4] for i in range(0, len(texts[0]) // 3)
+                 if len(texts[0][i:i + 4]) == 4 and texts[0][i:i + 4] not in texts[1]
+                 and texts[0][i:i + 4].strip()), None)
+    if stop is None:
+        pytest.skip(f"no stop string tells these choices apart: {texts!r}")
+    resp = httpx.post(gw.base_url + "/v1/completions", json={**base, "stop": [stop]},
+                      timeout=60).json()
+    reasons = {c["index"]: c["finish_reason"] for c in resp["choices"]}
+    assert reasons == {0: "stop", 1: "length"}, (resp, stop)
+    rid = resp["id"].removeprefix("cmpl-")
+    wait_until(lambda: rid in wk.request_ends(), 10, "the worker never ended it")
+    # Before: the stopped choice ran on to max_tokens at the worker ("length", "length").
+    assert sorted(wk.request_ends()[rid]["finish_reasons"]) == ["abort", "length"]
