@@ -40,8 +40,14 @@ async def run_route(request: Request, route: str) -> Response:
         fmt = fmt_cls(state, body)
         deadline = state.deadline(arrival, getattr(body, "timeout", None))
         ticket = state.reserve(deadline)  # the 429 decision, before tokenizing
-        # Tokenizing happens while the ticket holds its place (or its slot) in the queue.
-        prep = await fmt.prepare(arrival)
+        # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
+        # client that leaves meanwhile gives it back at once.
+        prepared = await until_disconnect(request.receive, fmt.prepare(arrival), _nothing)
+        if prepared is None:
+            ticket.cancel()
+            state.record(route, 499, None, arrival, request_id, "aborted")
+            return Response(status_code=499)
+        prep = prepared
         if fmt.stream and not ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.

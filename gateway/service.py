@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from gateway.admission import Admission, QueueClosed, Rejected, Ticket
+from gateway.body import read_json
 from gateway.config import GatewayConfig
 from gateway.drain import DrainEstimator
 from gateway.engine_client import EngineClient, ModelEntry, NoWorkerError, new_request_id
@@ -36,25 +34,6 @@ log = logging.getLogger("kestrel.gateway.requests")
 M = TypeVar("M", bound=BaseModel)
 # The finish reason an error status implies, whatever the choices said before it.
 _STATUS_FINISH = {429: "rejected", 499: "aborted", 504: "timeout"}
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
 @dataclass
 class Prepared:
     model: ModelEntry
@@ -145,38 +124,7 @@ class GatewayState:
                                     "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
 
     async def read_json(self, request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
-                           code="body_too_large")
-        chunks, size = [], 0
-        try:
-            # A body trickled in a byte at a time would hold its connection (and, once admitted,
-            # nothing else) for ever: the whole body has body_timeout_s.
-            with anyio.fail_after(self.cfg.body_timeout_s):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > self.cfg.max_body_bytes:
-                        raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
-                                       code="body_too_large")
-                    chunks.append(chunk)
-        except ClientDisconnect:  # an ordinary event, not a bug: no trace in the log
-            raise APIError(499, "the client left while sending its body",
-                           code="client_closed") from None
-        except TimeoutError:
-            raise APIError(408, f"the body did not arrive within {self.cfg.body_timeout_s} s",
-                           code="body_timeout", headers={"Connection": "close"}) from None
-        raw = b"".join(chunks)
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        # json accepts an escaped lone surrogate ("\ud800"), which is no Unicode text: the
-        # tokenizer and the UTF-8 encoder would fail on it deep inside the request.
-        if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
-            raise APIError(400, "the body is not valid JSON: a string has a lone UTF-16 surrogate",
-                           code="invalid_json")
-        return data
+        return await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
 
     def parse(self, cls: type[M], data: Any) -> M:
         if not isinstance(data, dict):
