@@ -71,10 +71,14 @@ async def run_route(request: Request, route: str) -> Response:
         state.record(route, exc.status, None, arrival, request_id)
         exc.headers = {**exc.headers, **headers}
         raise
-    except BaseException:  # a bug: errors.CatchAll logs it and answers 500
+    except Exception:  # a bug: errors.CatchAll logs it and answers 500
         if ticket is not None:
             ticket.cancel()
         state.record(route, 500, None, arrival, request_id)
+        raise
+    except BaseException:  # cancelled (the server is stopping): give the place back
+        if ticket is not None:
+            ticket.cancel()
         raise
     fmt.bind(gen)
     if fmt.stream:
