@@ -5,8 +5,11 @@ cache may serve its leading full blocks), `can_append` / `append_slot` before ea
 `mark_computed` after each step (full blocks whose K/V now exist become findable), and `free`
 when a sequence finishes or is preempted. The model runner only reads `seq.block_table`.
 
-Prefix cache: a full block is keyed by a hash chain, h_i = hash((h_{i-1}, tokens of block i)),
+Prefix cache: a full block is keyed by a hash chain, h_i = SHA-256(h_{i-1} || tokens of block i),
 so a key names the whole prefix up to and including block i, not just the block's own tokens.
+The hash is cryptographic on purpose: a lookup can only compare what the block itself holds (its
+tokens and its parent's key), so a key collision that a client could craft (Python's `hash()` of
+ints is plain arithmetic) would hand it the K/V of another client's prefix.
 A block's key is registered only once its K/V has been computed, so a block allocated but not
 yet written is never served to another sequence.
 
@@ -18,27 +21,32 @@ evicted (LRU) only when no empty block is left.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine_worker.sequence import Sequence
 
-# Chain value "before block 0". Any fixed int works; it must not vary within the process.
-_ROOT_HASH = 0
+# Chain value "before block 0": a digest of nothing in particular, fixed for the process.
+_ROOT_HASH = hashlib.sha256(b"kestrel prefix cache root").digest()
 
 
-def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Key of a full block given the key of the block before it."""
-    return hash((prev_hash, token_ids))
+def chain_hash(prev_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """Key of a full block given the key of the block before it: SHA-256 over the parent's
+    32-byte digest and the tokens as signed 64-bit ints (fixed width, so no two token tuples of
+    one block size share an encoding)."""
+    return hashlib.sha256(prev_hash + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass
 class _Block:
     block_id: int
     ref_count: int = 0
-    # Set only while this block is the cache entry for `hash`; `token_ids` is kept to rule out
-    # hash collisions on lookup.
-    hash: int | None = None
+    # Set only while this block is the cache entry for `hash`; `parent` (the previous block's
+    # key) and `token_ids` are kept so a lookup checks all the key was made from.
+    hash: bytes | None = None
+    parent: bytes = b""
     token_ids: tuple[int, ...] = ()
 
 
@@ -53,7 +61,7 @@ class BlockManager:
         # Invariant: a block is in the free pool iff its ref_count is 0.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Invariant: _cached[h] == b iff self._blocks[b].hash == h.
-        self._cached: dict[int, int] = {}
+        self._cached: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens offered to the cache at allocation (cumulative)
         self.prefix_cache_hits = 0  # of those, tokens served from cached blocks (cumulative)
 
@@ -89,7 +97,7 @@ class BlockManager:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks (and their chain hashes) covering the longest cached prefix of `seq`.
 
         Only full blocks inside tokens [0, num_tokens - 1) are looked up: the last token is
@@ -100,13 +108,14 @@ class BlockManager:
         bs = self._block_size
         tokens = seq.token_ids
         blocks: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         h = _ROOT_HASH
         for i in range((seq.num_tokens - 1) // bs):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            h = chain_hash(h, block_tokens)
+            parent, h = h, chain_hash(h, block_tokens)
             block_id = self._cached.get(h)
-            if block_id is None or self._blocks[block_id].token_ids != block_tokens:
+            if block_id is None or self._blocks[block_id].token_ids != block_tokens \
+                    or self._blocks[block_id].parent != parent:
                 break
             blocks.append(block_id)
             hashes.append(h)
@@ -177,6 +186,7 @@ class BlockManager:
             # and the other block stays an ordinary (uncached) block.
             if block.hash is None and h not in self._cached:
                 block.hash = h
+                block.parent = prev
                 block.token_ids = block_tokens
                 self._cached[h] = block.block_id
 
@@ -214,6 +224,7 @@ class BlockManager:
         if block.hash is not None:
             del self._cached[block.hash]
             block.hash = None
+            block.parent = b""
             block.token_ids = ()
         block.ref_count = 1
         return block_id

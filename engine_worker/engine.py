@@ -93,6 +93,18 @@ class Engine:
             if seq.finish_reason in (None, "abort")
         ]
 
+    def abort_choice(self, request_id: str, index: int) -> list[m.TokenOutput]:
+        """Stop one choice of a request now (the gateway saw it hit a stop string); frees its
+        blocks; returns its closing frame (empty if it is not live)."""
+        req = self.requests.get(request_id)
+        seq = None if req is None else self.scheduler.abort_seq(request_id, index)
+        if req is None or seq is None:
+            return []
+        if all(s.is_finished for s in req.seqs):
+            del self.requests[request_id]
+        return [m.TokenOutput(request_id, seq.index, [], "abort", seq.num_prompt_tokens,
+                              seq.num_output_tokens, cached_tokens=seq.num_cached_tokens)]
+
     def expired(self, now: float) -> list[str]:
         return [rid for rid, r in self.requests.items()
                 if r.deadline is not None and now > r.deadline]

@@ -179,7 +179,8 @@ class WorkerLink:
                 log.error("gateway refused this worker: %s", msg.reason)
                 self.inbound.put(msg)
         elif isinstance(msg, m.Cancel):
-            self.cancel_arrivals.setdefault(msg.request_id, time.monotonic())
+            if msg.index is None:  # a per-choice cancel (n > 1 stop string) ends no request
+                self.cancel_arrivals.setdefault(msg.request_id, time.monotonic())
             self.inbound.put(msg)
         elif isinstance(msg, m.Generate):
             self.inbound.put(local_deadline(msg))

@@ -102,6 +102,8 @@ class WorkerLoop:
                 self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
                 return
             self.unscheduled.add(msg.request_id)
+        elif isinstance(msg, m.Cancel) and msg.index is not None:
+            self._send_all(self.engine.abort_choice(msg.request_id, msg.index))
         elif isinstance(msg, m.Cancel):
             self._send_all(self.engine.abort(msg.request_id, "abort"))
             if msg.request_id not in self.engine.requests:

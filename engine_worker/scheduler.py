@@ -140,6 +140,24 @@ class Scheduler:
             seq.finish_reason = "abort"
         return seqs
 
+    def abort_seq(self, request_id: str, index: int) -> Sequence | None:
+        """Finish one live choice of a request with reason "abort" (its siblings go on);
+        returns it, or None if it is not live."""
+        seq = next((s for s in self._by_request.get(request_id, ()) if s.index == index), None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._finish(seq, "abort")
+        else:
+            self._waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            live = self._by_request[request_id]
+            live.remove(seq)
+            if not live:
+                del self._by_request[request_id]
+        return seq
+
     # -- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -176,6 +194,10 @@ class Scheduler:
 
         # 3. Admissions, strictly FCFS: the head of the queue that cannot go blocks the rest.
         # Not in a step that preempted: blocks are short, and the victim would bounce back.
+        # Siblings waiting for their leader's prompt are set aside (they keep their place at
+        # the head): they wait for the leader, not for memory, so they must not hold up the
+        # requests behind them.
+        gated: list[Sequence] = []
         while (
             not preempted
             and self._waiting
@@ -185,7 +207,8 @@ class Scheduler:
             seq = self._waiting[0]
             group = seq.group
             if group is not None and seq is not group.leader and not group.prompt_computed:
-                break  # wait for the leader's prompt blocks to land in the prefix cache
+                gated.append(self._waiting.popleft())  # its leader's blocks are not cached yet
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
@@ -194,6 +217,7 @@ class Scheduler:
             self._running.append(seq)
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1].num_tokens
+        self._waiting.extendleft(reversed(gated))
         return chunks
 
     def update(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> list[Sequence]:

@@ -56,7 +56,7 @@ class Sequence:
         # Paged KV bookkeeping, owned by the BlockManager.
         self.block_table: list[int] = []
         # Hash-chain value of each full, computed block, in table order (see block_manager).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # from the prefix cache at the first allocation (for the API)
         self.num_allocations = 0  # > 1 after a preemption and re-admission

@@ -2,7 +2,7 @@
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
     /v1/completions, /v1/chat/completions, /v1/generate[/stream]  -> gateway.routes
-    /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics)
+    /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from gateway import errors, routes
 from gateway.config import GatewayConfig
+from gateway.openapi import build_openapi
 from gateway.service import GatewayState
 
 
@@ -45,8 +46,10 @@ def create_app(cfg: GatewayConfig) -> Starlette:
         Route("/health/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.gateway = state
+    app.state.openapi = build_openapi()  # built once: the schemas never change while serving
     errors.install(app)
     return app
 
@@ -106,3 +109,7 @@ async def metrics(request: Request) -> Response:
     if state.cfg.protect_metrics:
         state.check_key(request)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)

@@ -28,6 +28,23 @@ class GatewayConfig:
     protect_metrics: bool = setting(False, "require an API key for /metrics too")
     rate_limit_rps: float = setting(0.0, "per-client requests per second (0: off)")
     rate_limit_burst: int = setting(10, "per-client burst size")
+    forwarded_allow_ips: str = setting(
+        "", "comma-separated proxy addresses (or *) whose X-Forwarded-For names the client; "
+        "empty: trust no proxy, the client is the peer address")
+    max_connections: int = setting(1024, "most open HTTP connections; beyond it a new request "
+                                   "gets 503 (uvicorn's limit_concurrency)")
+    header_timeout_s: float = setting(10.0, "a connection whose request headers are not complete "
+                                      "this long after its first byte (or its opening) is closed")
+    body_timeout_s: float = setting(10.0, "a request body not received in full within this is "
+                                    "answered 408")
+    send_timeout_s: float = setting(10.0, "a response write that the client does not take in "
+                                    "this long ends the request (and frees its place)")
+    sse_keepalive_s: float = setting(10.0, "a stream with nothing to send this long gets an SSE "
+                                     "comment, so proxies do not cut it while it waits")
+    max_rendered_prompt_chars: int = setting(
+        0, "longest prompt a chat template may render, in characters (0: 2 x max_prompt_chars "
+        "+ 4096, room for the template's own scaffolding)")
+    template_timeout_s: float = setting(2.0, "longest a chat template may take to render")
     heartbeat_timeout_s: float = setting(1.5, "a worker silent this long is lost")
     link_secret_key: str = setting("", "the gateway's CURVE secret certificate (NAME.key_secret "
                                    "from kestrel-keygen); with --link-authorized-keys turns "
@@ -47,6 +64,12 @@ class GatewayConfig:
         for name in ("max_prompt_chars", "max_tokens_cap", "max_body_bytes", "rate_limit_burst"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        for name in ("max_connections", "header_timeout_s", "body_timeout_s", "send_timeout_s",
+                     "sse_keepalive_s", "template_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_rendered_prompt_chars < 0:
+            raise ValueError("max_rendered_prompt_chars must be >= 0")
         if self.max_outstanding < 0 or self.max_queue < 0:
             raise ValueError("max_outstanding and max_queue must be >= 0")
         if self.default_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
@@ -63,6 +86,10 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")
+
+    @property
+    def rendered_prompt_limit(self) -> int:
+        return self.max_rendered_prompt_chars or 2 * self.max_prompt_chars + 4096
 
     def keys(self) -> frozenset[str]:
         """The configured API keys (setting and file). Read once at start by the app."""

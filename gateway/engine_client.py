@@ -169,6 +169,11 @@ class EngineClient:
         if handle.worker.identity in self.workers:
             await self._send(handle.worker.identity, m.Cancel(handle.request_id))
 
+    async def cancel_choice(self, handle: RequestHandle, index: int) -> None:
+        """Tell the worker to stop one choice of a request that goes on (n > 1)."""
+        if not handle.closed and handle.worker.identity in self.workers:
+            await self._send(handle.worker.identity, m.Cancel(handle.request_id, index))
+
     def fail_all(self, reason: str) -> None:
         """End every request in flight (the drain timeout passed): each gets a Stopping event,
         and its Generation's close() then cancels it at its worker."""

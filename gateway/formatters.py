@@ -208,8 +208,11 @@ class ChatFormatter(Formatter):
         chars = sum(len(msg["content"]) for msg in messages)
 
         def tokenize(model: Any) -> Any:
-            tok = model.tokenizer
-            return lambda msgs: tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+            tok, cfg = model.tokenizer, self.state.cfg
+            # max_prompt_chars counts the messages' text; the template's own text is bounded too.
+            return lambda msgs: tok.encode(tok.apply_chat_template(
+                msgs, max_chars=cfg.rendered_prompt_limit, timeout_s=cfg.template_timeout_s),
+                add_special_tokens=False)
 
         top = (b.top_logprobs or 0) if b.logprobs else None
         return await self._prepare(

@@ -205,8 +205,15 @@ class Generation:
                 status = {"invalid_request": 400, "unavailable": 503}.get(event.code, 500)
                 raise EngineFailure(status, event.message, event.code)
             out = self._on_output(event)
-            if out is not None:
-                yield out
+            if out is None:
+                continue
+            choice = self.choices[out.index]
+            if out.finish_reason == "stop" and not choice.worker_done and any(
+                    c.finish_reason is None for c in self.choices):
+                # A stop string, seen here: the worker would go on generating this choice until
+                # its siblings end. (When none is left, close() cancels the whole request.)
+                await self.client.cancel_choice(self.handle, out.index)
+            yield out
         await self.close()
 
     def _on_output(self, out: m.TokenOutput) -> ChoiceEvent | None:

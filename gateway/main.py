@@ -15,6 +15,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.http_protocol import guarded_h11
 from protocol.jsonlog import setup_logging
 from protocol.settings import parse_settings
 
@@ -58,8 +59,15 @@ def run(cfg: GatewayConfig) -> None:
     # uvicorn's own limit, which cancels handlers mid-write, is only a backstop. A float on
     # purpose: uvicorn hands it to asyncio.wait_for, and int() would turn 0.5 s into 0.
     drain: Any = cfg.drain_timeout_s + DRAIN_BACKSTOP_S
+    # uvicorn would trust X-Forwarded-For from loopback by default: then anyone on this host
+    # (or behind a local proxy that passes the header through) picks the address the rate limit
+    # sees. Only the proxies named in the setting are trusted.
+    trusted = cfg.forwarded_allow_ips.strip()
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=drain, lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=drain, lifespan="on",
+                            proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                            http=guarded_h11(cfg.header_timeout_s, cfg.send_timeout_s),
+                            limit_concurrency=cfg.max_connections)
     DrainingServer(config, app).run()
 
 

@@ -30,6 +30,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5
                    8.0, 15.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROUTES = ("completions", "chat", "generate", "generate_stream")
+REJECT_REASONS = ("queue_full", "would_miss_deadline", "rate_limit")
 
 # Per-worker counters: exported name (without _total) -> (Stats field, help).
 WORKER_COUNTERS: dict[str, tuple[str, str]] = {
@@ -156,6 +157,22 @@ class Metrics:
                                "requests holding a place: sent to a worker or about to be",
                                registry=r)
         self.workers_ready = Gauge(f"{NS}_workers_ready", "workers ready for work", registry=r)
+        self.rejections = Counter(
+            f"{NS}_rejections", "requests answered 429, by reason: queue_full (the queue is at "
+            "its cap), would_miss_deadline (the queue drains too slowly for the request's "
+            "deadline), rate_limit (the client's own limit)", ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.rejections.labels(reason)
+        self.expected_wait = Gauge(
+            f"{NS}_admission_expected_wait_seconds", "expected queue wait of a request arriving "
+            "now: (queued + 1) / drain rate, 0 with a free slot, NaN before a rate is measured",
+            registry=r)
+        self.drain_rate = Gauge(
+            f"{NS}_admission_drain_rate", "slots the ready workers freed per second lately "
+            "(requests a worker ran; summed over the workers)", registry=r)
+        self.service_time = Gauge(
+            f"{NS}_admission_service_seconds", "how long a request held its slot lately (EWMA), "
+            "added to the expected wait when admission checks a deadline", registry=r)
         r.register(WorkerCollector(workers))
 
     def render(self) -> bytes:

@@ -15,10 +15,11 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admission import Ticket
 from gateway.errors import APIError, error_body, error_response
 from gateway.formatters import FORMATTERS, Formatter
 from gateway.generation import EngineFailure, Generation
-from gateway.service import GatewayState
+from gateway.service import GatewayState, Prepared
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
 
 DONE = b"data: [DONE]\n\n"
@@ -31,13 +32,31 @@ async def run_route(request: Request, route: str) -> Response:
     request_id = request.state.request_id  # set by errors.CatchAll, returned on every response
     headers = {"X-Request-ID": request_id}
     fmt_cls: type[Formatter] = FORMATTERS[route]
+    ticket: Ticket | None = None
     try:
         state.guard(request)
+        state.precheck()  # a 429 costs no body read, no tokenizing, no thread
         body = state.parse(fmt_cls.schema, await state.read_json(request))
         fmt = fmt_cls(state, body)
+        deadline = state.deadline(arrival, getattr(body, "timeout", None))
+        ticket = state.reserve(deadline)  # the 429 decision, before tokenizing
+        # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
+        # client that leaves meanwhile gives it back at once.
+        prepared = await until_disconnect(request.receive, fmt.prepare(arrival), _nothing)
+        if prepared is None:
+            ticket.cancel()
+            state.record(route, 499, None, arrival, request_id, "aborted")
+            return Response(status_code=499)
+        prep = prepared
+        if fmt.stream and not ticket.granted:
+            # It waits in the queue: answer 200 now and keep the stream alive with comments
+            # while it waits (a proxy would cut a silent one); errors from here on are events.
+            return _stream(state, route, fmt, None, arrival, request_id, headers,
+                           pending=(prep, ticket))
+        waiting, ticket = ticket, None  # state.start owns it now: it always gives it back
 
         async def admit() -> Generation:
-            return await state.start(await fmt.prepare(arrival))
+            return await state.start(prep, waiting)
 
         # A client that leaves while its request waits in the queue gives its place back now,
         # not when the request would have reached a worker.
@@ -47,11 +66,19 @@ async def run_route(request: Request, route: str) -> Response:
             return Response(status_code=499)
         gen = started
     except APIError as exc:
+        if ticket is not None:
+            ticket.cancel()
         state.record(route, exc.status, None, arrival, request_id)
         exc.headers = {**exc.headers, **headers}
         raise
     except Exception:  # a bug: errors.CatchAll logs it and answers 500
+        if ticket is not None:
+            ticket.cancel()
         state.record(route, 500, None, arrival, request_id)
+        raise
+    except BaseException:  # cancelled (the server is stopping): give the place back
+        if ticket is not None:
+            ticket.cancel()
         raise
     fmt.bind(gen)
     if fmt.stream:
@@ -67,25 +94,39 @@ async def _close(gen: Generation) -> None:
     await gen.close()
 
 
-def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation, arrival: float,
-            request_id: str, headers: dict[str, str]) -> SSEResponse:
-    outcome = {"status": 200, "finish": None}
+def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation | None,
+            arrival: float, request_id: str, headers: dict[str, str],
+            pending: tuple[Prepared, Ticket] | None = None) -> SSEResponse:
+    """The SSE answer of a stream: for `gen`, or, with `pending`, for the request that waits
+    in the queue for its ticket (started inside the stream, its errors sent as events)."""
+    outcome: dict[str, Any] = {"status": 200, "finish": None, "gen": gen}
 
     async def on_disconnect() -> None:
         outcome["finish"] = "aborted"
-        await gen.close()
+        if outcome["gen"] is not None:
+            await outcome["gen"].close()
+        elif pending is not None:
+            pending[1].cancel()
 
     async def events():  # type: ignore[no-untyped-def]
         try:
+            if outcome["gen"] is None:
+                assert pending is not None
+                outcome["gen"] = await state.start(*pending)
+                fmt.bind(outcome["gen"])
+            g: Generation = outcome["gen"]
             for chunk in fmt.stream_start():
                 yield sse_event(chunk)
-            async for event in gen.events():
+            async for event in g.events():
                 for chunk in fmt.stream_event(event):
                     yield sse_event(chunk)
             for chunk in fmt.stream_end():
                 yield sse_event(chunk)
-            if any(r == "timeout" for r in gen.finish_reasons):
+            if any(r == "timeout" for r in g.finish_reasons):
                 outcome["finish"] = "timeout"
+        except APIError as exc:  # from starting a queued request: 504, 503
+            outcome["status"] = exc.status
+            yield sse_event(error_body(exc.status, exc.message, code=exc.code))
         except EngineFailure as exc:
             outcome["status"] = exc.status
             yield sse_event(error_body(exc.status, exc.message, code=exc.code))
@@ -97,12 +138,18 @@ def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation, ar
             yield sse_event(error_body(500, "internal server error", code="internal_error"))
         finally:
             with anyio.CancelScope(shield=True):
-                await gen.close()
-            state.record(route, int(outcome["status"]), gen, arrival, request_id,
-                         outcome["finish"])  # type: ignore[arg-type]
+                if outcome["gen"] is not None:
+                    await outcome["gen"].close()
+                elif pending is not None:
+                    pending[1].cancel()
+            state.record(route, int(outcome["status"]), outcome["gen"], arrival, request_id,
+                         outcome["finish"])
         yield DONE
 
-    return SSEResponse(events(), on_disconnect, headers)
+    deadline = gen.deadline if gen is not None else pending[0].deadline  # type: ignore[index]
+    return SSEResponse(events(), on_disconnect, headers, deadline=deadline,
+                       keepalive_s=state.cfg.sse_keepalive_s,
+                       send_timeout_s=state.cfg.send_timeout_s)
 
 
 async def _collect(state: GatewayState, request: Request, route: str, fmt: Formatter,

@@ -1,27 +1,28 @@
 """What every generation route does before and after its own formatting.
 
-    guard (keys, rate limit, draining) -> read_json (413/400) -> parse (422) -> resolve model
-    -> tokenize in a thread -> context check (400) -> admit (429 at once when full)
-    -> Generation.start() (503 without a worker) ... route formats ... -> record() (metrics, log)
+    guard (keys, rate limit, draining) -> precheck (429 before the body is read) -> read_json
+    (413/400/408) -> parse (422) -> reserve (429 at once: queue full or deadline out of reach)
+    -> resolve model -> tokenize in a thread -> context check (400) -> start: wait for the slot
+    (504) -> Generation.start() (503 without a worker) ... route formats ... -> record()
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
-from gateway.admission import Admission, QueueClosed, QueueFull
+from gateway.admission import Admission, QueueClosed, Rejected, Ticket
+from gateway.body import read_json
 from gateway.config import GatewayConfig
+from gateway.drain import DrainEstimator
 from gateway.engine_client import EngineClient, ModelEntry, NoWorkerError, new_request_id
 from gateway.errors import APIError, validation_error
 from gateway.generation import Generation
@@ -33,25 +34,6 @@ log = logging.getLogger("kestrel.gateway.requests")
 M = TypeVar("M", bound=BaseModel)
 # The finish reason an error status implies, whatever the choices said before it.
 _STATUS_FINISH = {429: "rejected", 499: "aborted", 504: "timeout"}
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
 @dataclass
 class Prepared:
     model: ModelEntry
@@ -66,8 +48,14 @@ class GatewayState:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.keys = cfg.keys()
+        # A configured key is text (a file is UTF-8); a header is latin-1-decoded bytes: both
+        # become the bytes that would cross the wire, so a UTF-8 key still matches.
+        self._key_bytes = [k.encode("utf-8") for k in self.keys]
         self.client = EngineClient.from_config(cfg)
-        self.admission = Admission(self._limit, cfg.max_queue)
+        self.admission = Admission(
+            self._limit, cfg.max_queue, DrainEstimator(),
+            workers=lambda: [w.hello.worker_id for w in self.client.ready_workers()],
+            cold_queue=self._limit)
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.draining = False
@@ -76,6 +64,10 @@ class GatewayState:
         self.metrics.in_flight.set_function(lambda: self.admission.outstanding)
         self.metrics.waiting.set_function(lambda: self.admission.waiting)
         self.metrics.workers_ready.set_function(lambda: len(self.client.ready_workers()))
+        self.metrics.drain_rate.set_function(self.admission.drain_rate)
+        self.metrics.service_time.set_function(self.admission.estimator.service_s)
+        self.metrics.expected_wait.set_function(
+            lambda: math.nan if (w := self.admission.expected_wait()) is None else w)
 
     def _limit(self) -> int:
         return self.cfg.max_outstanding or self.client.capacity()
@@ -108,8 +100,11 @@ class GatewayState:
             return None
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
+        # Compared as bytes: hmac.compare_digest refuses a non-ASCII str (TypeError, a 500),
+        # and a header is whatever bytes the client sent (Starlette decodes them as latin-1).
+        given = key.strip().encode("latin-1", "replace")
         if scheme.lower() != "bearer" or not any(
-                hmac.compare_digest(key.strip(), k) for k in self.keys):
+                hmac.compare_digest(given, k) for k in self._key_bytes):
             raise APIError(401, "a valid API key is required: Authorization: Bearer <key>",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return key.strip()
@@ -121,6 +116,7 @@ class GatewayState:
         client = key or (request.client.host if request.client else "unknown")
         wait = self.limiter.take(client)
         if wait > 0:
+            self.metrics.rejections.labels("rate_limit").inc()
             # Retry-After is whole seconds (HTTP); retry-after-ms, which OpenAI's clients read
             # first, carries the bucket's exact refill time.
             raise APIError(429, "rate limit exceeded for this client", code="rate_limited",
@@ -128,32 +124,7 @@ class GatewayState:
                                     "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
 
     async def read_json(self, request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
-                           code="body_too_large")
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.cfg.max_body_bytes:
-                    raise APIError(413, f"the body is over {self.cfg.max_body_bytes} bytes",
-                                   code="body_too_large")
-                chunks.append(chunk)
-        except ClientDisconnect:  # an ordinary event, not a bug: no trace in the log
-            raise APIError(499, "the client left while sending its body",
-                           code="client_closed") from None
-        raw = b"".join(chunks)
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        # json accepts an escaped lone surrogate ("\ud800"), which is no Unicode text: the
-        # tokenizer and the UTF-8 encoder would fail on it deep inside the request.
-        if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
-            raise APIError(400, "the body is not valid JSON: a string has a lone UTF-16 surrogate",
-                           code="invalid_json")
-        return data
+        return await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
 
     def parse(self, cls: type[M], data: Any) -> M:
         if not isinstance(data, dict):
@@ -200,29 +171,57 @@ class GatewayState:
             timeout, self.cfg.default_timeout_s)
         return arrival + seconds
 
-    async def start(self, prep: Prepared) -> Generation:
-        """Admit (429 at once when full; 504 if the deadline passes in the queue), then send to a
-        worker (503 without one). Cancellable: a client that leaves meanwhile frees its place."""
+    def precheck(self) -> None:
+        """Before the body is read: 429 at once if even the longest deadline would not get a
+        place, so a refused request costs no body read, no tokenizing and no thread."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        try:
+            self.admission.check(self.cfg.default_timeout_s)
+        except Rejected as exc:
+            raise self._rejected(exc) from None
+
+    def reserve(self, deadline: float) -> Ticket:
+        """A place in the queue for a request due at `deadline` (monotonic), decided at once:
+        429 (queue full, or it would miss its deadline), 503 (draining), or a Ticket."""
         if self.draining:  # checked again: a request may have been reading its body at SIGTERM
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if not self.client.serves(prep.model.model_id):
-            # Its workers are draining or gone: waiting in the queue would only end in a 503 (or
-            # a 504) later, and the admission limit, sized from ready workers, would be 1.
-            raise APIError(503, f"no ready worker serves {prep.model.model_id!r}",
-                           code="no_worker")
-        remaining = prep.deadline - time.monotonic()
         try:
+            return self.admission.reserve(deadline - time.monotonic())
+        except Rejected as exc:
+            raise self._rejected(exc) from None
+
+    def _rejected(self, exc: Rejected) -> APIError:
+        self.metrics.rejections.labels(exc.reason).inc()
+        wait = max(0.001, exc.retry_after)
+        return APIError(429, str(exc), code=exc.reason,
+                        headers={"Retry-After": str(max(1, math.ceil(wait))),
+                                 "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
+
+    async def start(self, prep: Prepared, ticket: Ticket) -> Generation:
+        """Wait for the ticket's slot (504 if the deadline passes first), then send to a worker
+        (503 without one). Cancellable: a client that leaves meanwhile frees its place. The
+        ticket is always either turned into the Generation's slot or given back."""
+        try:
+            if not self.client.serves(prep.model.model_id):
+                # Its workers are draining or gone: waiting in the queue would only end in a 503
+                # (or a 504) later, and the admission limit, sized from ready workers, would be 1.
+                raise APIError(503, f"no ready worker serves {prep.model.model_id!r}",
+                               code="no_worker")
+            remaining = prep.deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            slot = await self.admission.acquire(remaining)
-        except QueueFull as exc:
-            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) \
-                from None
+            slot = await ticket.wait(remaining)
         except TimeoutError:
+            ticket.cancel()
             raise APIError(504, "the request's deadline passed while it was queued",
                            code="timeout") from None
         except QueueClosed:
+            ticket.cancel()
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        except BaseException:
+            ticket.cancel()
+            raise
         gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
                          prep.stop, prep.deadline, prep.arrival, slot)
         try:
@@ -233,6 +232,8 @@ class GatewayState:
         except asyncio.CancelledError:
             await asyncio.shield(gen.close())  # frees the slot; stops the work if it was sent
             raise
+        if gen.handle is not None:  # its release now measures how fast this worker drains
+            slot.worker = gen.handle.worker.hello.worker_id
         return gen
 
     # ---- after --------------------------------------------------------------------------------

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 T = TypeVar("T")
 
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+DEADLINE_GRACE_S = 1.0  # after its deadline, a stream may still send its last events this long
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -35,15 +38,40 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 class SSEResponse:
+    """Streams `events`; while none comes for `keepalive_s`, sends an SSE comment instead.
+
+    Every send is bounded: by `send_timeout_s`, and by the request's `deadline` (plus a short
+    grace for the final events). A client that does not read blocks a send on TCP backpressure;
+    when the bound passes, the stream ends as if it had disconnected (`on_disconnect` frees its
+    place and cancels the work), so its admission slot is back at its deadline at the latest.
+    """
+
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], Awaitable[None]],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, *, deadline: float | None = None,
+                 keepalive_s: float = 10.0, send_timeout_s: float = 10.0) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
         self.headers = {**SSE_HEADERS, **(headers or {})}
+        self.deadline = deadline  # monotonic
+        self.keepalive_s = keepalive_s
+        self.send_timeout_s = send_timeout_s
+
+    def _send_limit(self) -> float:
+        if self.deadline is None:
+            return self.send_timeout_s
+        return min(self.send_timeout_s,
+                   max(0.0, self.deadline - time.monotonic()) + DEADLINE_GRACE_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        pending: asyncio.Future[bytes] | None = None
+
+        async def bounded(message: Message) -> bool:
+            """Send; False if the client did not take it in time."""
+            with anyio.move_on_after(self._send_limit()) as limit:
+                await send(message)
+            return not limit.cancelled_caught
 
         async def listen(scope_to_cancel: anyio.CancelScope) -> None:
             await _wait_disconnect(receive)
@@ -51,12 +79,32 @@ class SSEResponse:
             scope_to_cancel.cancel()
 
         async def stream(scope_to_cancel: anyio.CancelScope) -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+            nonlocal pending
+            ok = await bounded({"type": "http.response.start", "status": 200,
+                                "headers": raw_headers})
             try:
-                async for chunk in self.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                it = self.events.__aiter__()
+                while ok:
+                    if pending is None:
+                        pending = asyncio.ensure_future(it.__anext__())
+                    done, _ = await asyncio.wait({pending}, timeout=self.keepalive_s)
+                    if not done:  # nothing to say yet: a comment keeps proxies from cutting us
+                        ok = await bounded({"type": "http.response.body", "body": KEEPALIVE,
+                                            "more_body": True})
+                        continue
+                    step, pending = pending, None
+                    try:
+                        chunk = step.result()
+                    except StopAsyncIteration:
+                        break
+                    ok = await bounded({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+                if ok:
+                    ok = await bounded({"type": "http.response.body", "body": b"",
+                                        "more_body": False})
             except OSError:  # the socket broke under us: same as a disconnect
+                ok = False
+            if not ok:
                 await self.on_disconnect()
             scope_to_cancel.cancel()
 
@@ -65,9 +113,12 @@ class SSEResponse:
                 tg.start_soon(listen, tg.cancel_scope)
                 tg.start_soon(stream, tg.cancel_scope)
         finally:
-            closer = getattr(self.events, "aclose", None)
-            if closer is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if pending is not None and not pending.done():
+                    pending.cancel()  # the generator must stop running before it is closed
+                    await asyncio.gather(pending, return_exceptions=True)
+                closer = getattr(self.events, "aclose", None)
+                if closer is not None:
                     await closer()
 
 

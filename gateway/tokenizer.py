@@ -20,6 +20,7 @@ text is byte-for-byte what the model was trained and evaluated with.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
@@ -39,6 +40,10 @@ class ChatTemplateError(ValueError):
     A ValueError, so that the gateway answers 400: the cause is the request (or a model that has no
     chat template), never the server.
     """
+
+
+class RenderedPromptTooLong(ChatTemplateError):
+    """The template rendered more text than the gateway accepts as one prompt."""
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -203,12 +208,18 @@ class GatewayTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        max_chars: int | None = None,
+        timeout_s: float | None = None,
     ) -> str:
         """The prompt text for an OpenAI-style conversation, as transformers would render it.
 
         Raises ChatTemplateError (a ValueError: a 400) when the model has no usable template, a
-        message is malformed, or the template rejects the conversation.
+        message is malformed, the template rejects the conversation, the rendered text passes
+        `max_chars` (RenderedPromptTooLong) or rendering passes `timeout_s`.
         """
         if self._template is None:
             raise ChatTemplateError(self._template_error or "no chat template")
@@ -225,7 +236,13 @@ class GatewayTokenizer:
             if value is not None
         }
         try:
-            return self._template.render(
+            # Rendered piece by piece, so that a template that writes far more than the messages
+            # say (scaffolding around thousands of empty messages) or loops for long is stopped
+            # as it goes, not after. A loop that writes nothing is bounded by the sandbox's range
+            # limit, and the whole render runs in a worker thread, off the event loop.
+            pieces: list[str] = []
+            size, start = 0, time.monotonic()
+            for piece in self._template.generate(
                 messages=chat,
                 # Passed as None, not left undefined: templates test `tools is not none`, which
                 # is true of an undefined name.
@@ -233,7 +250,16 @@ class GatewayTokenizer:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **special,
-            )
+            ):
+                pieces.append(piece)
+                size += len(piece)
+                if max_chars is not None and size > max_chars:
+                    raise RenderedPromptTooLong(
+                        f"the rendered prompt is over {max_chars} characters (the chat template "
+                        "adds text around every message, including empty ones)")
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise ChatTemplateError(f"rendering took over {timeout_s} s")
+            return "".join(pieces)
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template is model-supplied code; any error

@@ -140,6 +140,9 @@ class RequestError:
 @dataclass(frozen=True)
 class Cancel:
     request_id: str
+    # None: the whole request. An index: only that choice (n > 1: it hit a stop string at the
+    # gateway while its siblings go on). Optional, so peers without it still understand.
+    index: int | None = None
 
 
 @dataclass(frozen=True)

@@ -248,3 +248,36 @@ def test_num_cached_tokens_is_kept_from_the_first_allocation() -> None:
     bm.allocate(a)
     assert a.num_computed_tokens == 8
     assert a.num_cached_tokens == 0  # the API reports what the first admission found
+
+
+def test_block_keys_are_sha256_over_the_parent_digest_and_the_tokens() -> None:
+    # Python's hash() of ints is arithmetic (hash(p) == hash(p + 2**61 - 1)), so a client could
+    # craft a prompt whose chain key equals another's; SHA-256 makes that infeasible.
+    import hashlib
+    from array import array
+
+    root = bm_module._ROOT_HASH
+    assert isinstance(root, bytes) and len(root) == 32
+    key = bm_module.chain_hash(root, (1, 2, 3, 4))
+    assert key == hashlib.sha256(root + array("q", (1, 2, 3, 4)).tobytes()).digest()
+    assert bm_module.chain_hash(key, (5, 6, 7, 8)) != bm_module.chain_hash(root, (5, 6, 7, 8))
+
+
+def test_a_cached_block_is_served_only_after_the_same_parent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keys that ignore the parent (as a crafted collision would): a caches [T0, T1], c caches
+    # [U0] and computes T1 after it (its block 1 key is taken by a's); d = [U0, T1] matches c's
+    # block 0, then finds a's block 1 under the same key, whose K/V was computed after T0.
+    monkeypatch.setattr(bm_module, "chain_hash",
+                        lambda prev, tokens: bytes(str(tokens), "ascii"))
+    bm = BlockManager(20, BS)
+    t0, t1, u0 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+    a = make_seq(t0 + t1 + [0])
+    bm.allocate(a)
+    compute_all(bm, a)
+    c = make_seq(u0 + t1 + [0])
+    bm.allocate(c)
+    compute_all(bm, c)
+    d = make_seq(u0 + t1 + [0])
+    bm.allocate(d)
+    assert d.num_computed_tokens == BS  # u0 only: a's block 1 follows another prefix

@@ -316,3 +316,48 @@ def test_sequence_keeps_running_until_a_finish_condition() -> None:
 def test_budget_smaller_than_max_num_seqs_is_refused() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_scheduler(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_siblings_waiting_for_their_leader_do_not_hold_up_later_requests() -> None:
+    sched, model = make_scheduler(max_num_batched_tokens=16), FakeModel()
+    seqs = Scheduler.make_group("n2", list(range(1000, 1018)), SamplingParams(max_tokens=4, n=2))
+    for seq in seqs:
+        sched.add(seq)
+    later = make_seq("later", 3, max_tokens=4)
+    sched.add(later)
+    chunks = step(sched, model)  # the leader's first 16 prompt tokens fill the budget
+    assert [c.seq for c in chunks] == [seqs[0]]
+    chunks = step(sched, model)  # the leader's last 2 tokens leave room for more
+    # Before: the gated sibling at the head of the queue stopped every admission behind it.
+    assert later in [c.seq for c in chunks]
+    assert seqs[1].status is SequenceStatus.WAITING
+    run_to_completion(sched, model)
+    assert all(s.num_output_tokens == 4 for s in [*seqs, later])
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_one_choice_can_be_aborted_while_its_siblings_go_on() -> None:
+    sched, model = make_scheduler(), FakeModel()
+    seqs = Scheduler.make_group("n3", list(range(1000, 1010)), SamplingParams(max_tokens=6, n=3))
+    for seq in seqs:
+        sched.add(seq)
+    step(sched, model)  # the leader's prompt
+    step(sched, model)  # the siblings join
+    assert sched.abort_seq("n3", 1) is seqs[1]
+    assert seqs[1].finish_reason == "abort" and not seqs[1].block_table
+    assert sched.abort_seq("n3", 1) is None  # no longer live
+    run_to_completion(sched, model)
+    assert [s.finish_reason for s in seqs] == ["length", "abort", "length"]
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_a_waiting_choice_can_be_aborted() -> None:
+    sched, model = make_scheduler(), FakeModel()
+    seqs = Scheduler.make_group("n2", list(range(1000, 1010)), SamplingParams(max_tokens=3, n=2))
+    for seq in seqs:
+        sched.add(seq)
+    step(sched, model)  # only the leader runs: its sibling waits
+    assert sched.abort_seq("n2", 1) is seqs[1]
+    assert sched.num_waiting == 0
+    run_to_completion(sched, model)
+    assert seqs[0].num_output_tokens == 3 and sched.block_manager.num_used_blocks == 0

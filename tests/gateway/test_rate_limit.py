@@ -74,6 +74,37 @@ def test_memory_is_bounded_by_forgetting_full_buckets() -> None:
     assert lim.take("a") == 0.0  # a fresh bucket, as it would have been
 
 
+def test_idle_clients_are_forgotten_once_their_buckets_refill() -> None:
+    # 5,000 clients once each: their buckets refill in burst/rate = 2 s, and the next request
+    # (from anyone) finds them gone. Before the fix, stored buckets were tested for "full"
+    # without the refill, so all 5,000 stayed for ever.
+    lim, clock = limiter(5.0, 10)
+    for i in range(5000):
+        lim.take(f"10.0.{i // 256}.{i % 256}")
+    assert len(lim) == 5000
+    clock.now += 2.0
+    lim.take("someone-else")
+    assert len(lim) == 1
+
+
+def test_a_client_still_refilling_is_kept() -> None:
+    lim, clock = limiter(1.0, 2)
+    lim.take("a")
+    lim.take("a")  # empty: 2 s to full
+    clock.now += 1.0
+    lim.take("b")
+    assert len(lim) == 2
+    assert lim.take("a") == 0.0 and lim.take("a") > 0  # its 1 refilled token, then none
+
+
+def test_beyond_max_clients_the_least_recently_used_go_first() -> None:
+    lim, clock = limiter(0.001, 1, max_clients=100)
+    for i in range(1000):
+        lim.take(str(i))
+        clock.now += 0.001
+    assert len(lim) == 100
+
+
 def request(key: str | None = None, host: str = "10.0.0.1") -> Request:
     headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
