@@ -316,3 +316,15 @@ def _with_logprobs(
         top = list(zip(top_idx_l[r][:k], top_vals_l[r][:k], strict=True))
         results.append(SampleResult(token, chosen[r], top))
     return results
+
+
+def logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[list]:
+    """Raw logprobs (log_softmax of the model's logits) of `tokens`, row j scoring tokens[j]:
+    one [token_id, logprob, [[top_id, top_logprob], ...k best]] entry per token."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (T, V)
+    ids = torch.tensor(tokens, device=lp.device)  # (T,)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()  # (T,)
+    top_vals, top_idx = torch.topk(lp, min(k, lp.shape[1]), dim=-1)  # (T, K) (T, K)
+    return [[t, c, [list(x) for x in zip(i, v, strict=True)]]
+            for t, c, i, v in zip(tokens, chosen, top_idx.tolist(), top_vals.tolist(),
+                                  strict=True)]

@@ -54,8 +54,8 @@ def test_emitted_tokens_follow_target(one_hot_q: bool) -> None:
         q_pos[1], N, replacement=True, generator=g).unsqueeze(1)
     re_q = None if one_hot_q else q_pos[1:2].expand(N, 1, V)
     u2 = torch.rand(N, 2, generator=g, dtype=torch.float64)
-    acc2, fin2 = accept(p_pos[1:3].expand(N, 2, V), re_q, re_drafts, torch.ones(N, dtype=torch.long),
-                        u2)
+    ones = torch.ones(N, dtype=torch.long)
+    acc2, fin2 = accept(p_pos[1:3].expand(N, 2, V), re_q, re_drafts, ones, u2)
     second_next = torch.where(acc2 >= 1, re_drafts[:, 0], fin2)
     second = torch.where(accepted >= 1, second_same, second_next)
     assert tv(first, p_pos[0]) < 0.01
