@@ -57,13 +57,15 @@ class _NgramIndex:
     """Where each n-gram (n in min_n..max_n) of a sequence last ended, built incrementally."""
 
     def __init__(self) -> None:
-        self.indexed = 0  # n-grams ending before this position are in `last_end`
+        self.indexed = 0  # n-grams ending before this position are in the maps
         self.last_end: dict[tuple[int, ...], int] = {}
+        self.first_end: dict[tuple[int, ...], int] = {}
 
 
 class NgramProposer:
     """Prompt lookup: find the longest suffix (max_n down to min_n tokens) of prompt + output that
-    occurred before, and propose the tokens that followed its latest occurrence. Strong on
+    occurred before, and propose the tokens that followed its latest occurrence (its first, when
+    the latest has fewer than k tokens after it). Strong on
     input-grounded work (rewriting, summarising, editing code), where the output copies spans
     of the input. No model, no probabilities: the drafts are one-hot guesses."""
 
@@ -91,13 +93,20 @@ class NgramProposer:
         for end in range(index.indexed, last):
             for n in range(self.min_n, self.max_n + 1):
                 if end - n + 1 >= 0:
-                    index.last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+                    key = tuple(tokens[end - n + 1 : end + 1])
+                    index.last_end[key] = end
+                    index.first_end.setdefault(key, end)
         index.indexed = max(index.indexed, last)
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > len(tokens):
                 continue
-            end = index.last_end.get(tuple(tokens[len(tokens) - n :]))
+            key = tuple(tokens[len(tokens) - n :])
+            end = index.last_end.get(key)
             if end is not None:
+                # The latest occurrence is the likeliest context; in a run that repeats itself
+                # it is right behind the suffix and has little after it, so take the first.
+                if last - end < k:
+                    end = index.first_end[key]
                 return list(tokens[end + 1 : end + 1 + k])
         return []
 
