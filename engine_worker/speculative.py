@@ -159,6 +159,37 @@ class SpecDecoder:
         """Tokens each chunk emits; `logits` (sum(1 + n_i), V) holds the rows of every position
         of the chunks, in order. Advances each sampled sequence's generator by exactly
         n_i + 1 uniforms (none for greedy ones)."""
+        # Greedy without penalties needs no distributions: a draft passes while it is the
+        # argmax, and the argmax follows (one batched argmax over every row, no dense p).
+        fast = [i for i, c in enumerate(chunks) if _plain_greedy(c.seq)]
+        out: list[list[int] | None] = [None] * len(chunks)
+        if fast:
+            starts, row = [], 0
+            for c in chunks:
+                starts.append(row)
+                row += 1 + len(c.draft_token_ids)
+            best = logits.argmax(-1).tolist()  # (rows,)
+            for i in fast:
+                c = chunks[i]
+                target = best[starts[i] : starts[i] + 1 + len(c.draft_token_ids)]
+                a = 0
+                while a < len(c.draft_token_ids) and c.draft_token_ids[a] == target[a]:
+                    a += 1
+                out[i] = c.draft_token_ids[:a] + [target[a]]
+                self._note(c.seq, len(c.draft_token_ids), a)
+            if len(fast) == len(chunks):
+                return [o for o in out if o is not None]
+            keep = [i for i in range(len(chunks)) if out[i] is None]
+            rows = [r for i in keep for r in range(starts[i], starts[i] + 1 +
+                                                   len(chunks[i].draft_token_ids))]
+            rest = self._accept_sampled(sampler, [chunks[i] for i in keep], logits[rows])
+            for i, toks in zip(keep, rest, strict=True):
+                out[i] = toks
+            return [o for o in out if o is not None]
+        return self._accept_sampled(sampler, chunks, logits)
+
+    def _accept_sampled(self, sampler: Sampler, chunks: list[ScheduledChunk],
+                        logits: torch.Tensor) -> list[list[int]]:
         n = len(chunks)
         width = max(len(c.draft_token_ids) for c in chunks)
         inputs: list[SamplerInput] = []
@@ -211,6 +242,11 @@ class SpecDecoder:
         if seq.spec_acceptance < self.min_acceptance:
             seq.spec_skip_steps = BACKOFF_STEPS
             seq.spec_acceptance = (1.0 + self.min_acceptance) / 2  # probe again afresh later
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return is_greedy(p) and not (p.presence_penalty or p.frequency_penalty)
 
 
 def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | None:
