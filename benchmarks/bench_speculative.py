@@ -9,8 +9,10 @@ inside each (workload, batch) so a shared machine's drift hits them alike. Workl
   code     input-grounded: return a given function with a variable renamed
   chat     plain chat: an open question, nothing to copy from
 Decode speed = output tokens after each request's first / time from the step where every
-request had its first token to the end (prefill excluded). Prints a markdown table with the
-speed-up over "off" and the acceptance (accepted / proposed drafts, mean accepted per verify).
+request had its first token to the end (prefill excluded); the median over --rounds. Engine
+steps = forward passes of the target in that span: a figure no other load on the machine moves.
+Prints a markdown table with the speed-up over "off" and the acceptance (accepted / proposed
+drafts, mean accepted per verify).
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -87,6 +90,7 @@ def chat_ids(path: Path, text: str) -> list[int]:
 
 def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch: int,
         max_tokens: int) -> tuple[float, int, SpecDecoder | None]:
+    """(decode tok/s, engine steps after every request's first token, the spec decoder)."""
     e = Engine(runner, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, spec=spec)
     for i in range(batch):
         # A distinct first token per request keeps the prefix cache from merging them.
@@ -96,7 +100,10 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
     started: set[str] = set()
     t_first = None
     tokens_after = 0
+    steps = 0
     while e.has_work:
+        if t_first is not None:
+            steps += 1
         for o in e.step():
             if o.request_id in started:
                 tokens_after += len(o.token_ids)
@@ -106,7 +113,7 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
         if t_first is None and len(started) == batch:
             t_first = time.perf_counter()
     assert t_first is not None
-    return tokens_after / (time.perf_counter() - t_first), tokens_after, spec
+    return tokens_after / (time.perf_counter() - t_first), steps, spec
 
 
 def main() -> None:
@@ -144,29 +151,32 @@ def main() -> None:
     run(runner, make("ngram"), chat_ids(path, "Hi"), 1, 8)
     print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
           f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
-    print("| workload | batch | mode | decode tok/s | vs off | accepted/proposed | "
-          "accepted per verify |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | batch | mode | decode tok/s | vs off | engine steps | accepted/proposed "
+          "| accepted per verify |")
+    print("|---|---|---|---|---|---|---|---|")
     for wl in args.workloads.split(","):
         prompt = chat_ids(path, WORKLOADS[wl])
         for batch in (int(b) for b in args.batch.split(",")):
             speeds: dict[str, list[float]] = {mo: [] for mo in modes}
             stats: dict[str, str] = {}
+            steps: dict[str, int] = {}
             for _ in range(args.rounds):
                 for mode in modes:
-                    tps, _, spec = run(runner, make(mode), prompt, batch, args.max_tokens)
+                    tps, steps[mode], spec = run(runner, make(mode), prompt, batch,
+                                                 args.max_tokens)
                     speeds[mode].append(tps)
                     if spec is not None:
                         s = spec.stats
                         rate = s.accepted / s.proposed if s.proposed else 0.0
                         per = s.accepted / s.verify_steps if s.verify_steps else 0.0
                         stats[mode] = f"{s.accepted}/{s.proposed} ({rate:.0%}) | {per:.2f}"
-            base = sum(speeds["off"]) / len(speeds["off"]) if "off" in speeds else None
+            # Medians: on a shared machine one slow round should not decide a row.
+            base = statistics.median(speeds["off"]) if "off" in speeds else None
             for mode in modes:
-                tps = sum(speeds[mode]) / len(speeds[mode])
+                tps = statistics.median(speeds[mode])
                 ratio = f"{tps / base:.2f}x" if base else "-"
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
-                      f"{stats.get(mode, '- | -')} |", flush=True)
+                      f"{steps[mode]} | {stats.get(mode, '- | -')} |", flush=True)
 
 
 if __name__ == "__main__":
