@@ -78,6 +78,7 @@ class Sequence:
         self.proposer_state: Any = None
         self.spec_acceptance = 1.0
         self.spec_skip_steps = 0
+        self.spec_backoffs = 0  # failed probes in a row: the next backoff is 2**this longer
 
     # -- token views ---------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ When it switches itself off, so that it never makes a loaded server slower:
   per sequence, which a busy batch pays in full) or when the step's token budget cannot hold the
   drafts;
 - for a sequence, when its running acceptance rate drops below `min_acceptance`: it then skips
-  `BACKOFF_STEPS` steps and probes again;
+  `BACKOFF_STEPS` steps (doubling after each failed probe) and probes again;
 - per request: `params.speculative = False`.
 """
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from engine_worker.model_runner import ModelRunner
 
 BACKOFF_STEPS = 16  # steps a sequence with failing drafts decodes plainly before probing again
+MAX_BACKOFF_STEPS = 256  # the backoff doubles at each failed probe, up to this
 EMA = 0.3  # weight of the newest step in a sequence's running acceptance rate
 
 
@@ -239,8 +240,13 @@ class SpecDecoder:
         self.stats.accepted += accepted
         self.stats.verify_steps += 1
         seq.spec_acceptance = (1 - EMA) * seq.spec_acceptance + EMA * accepted / proposed
+        if accepted == proposed:
+            seq.spec_backoffs = 0  # drafts are landing again: back off briefly next time
         if seq.spec_acceptance < self.min_acceptance:
-            seq.spec_skip_steps = BACKOFF_STEPS
+            # Exponential: a sequence whose drafts never land (a chat answer with nothing to
+            # copy, a draft model of another family) soon stops paying for probes.
+            seq.spec_skip_steps = min(BACKOFF_STEPS << seq.spec_backoffs, MAX_BACKOFF_STEPS)
+            seq.spec_backoffs += 1
             seq.spec_acceptance = (1.0 + self.min_acceptance) / 2  # probe again afresh later
 
 
