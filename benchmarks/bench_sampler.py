@@ -1,7 +1,7 @@
 """Sampler cost per step at 16 streams: greedy, and temperature 0.7 / top_p 0.9, on SmolLM2's
 real next-token logits (a random-logits row would have an unrealistically wide nucleus).
 
-    python benchmarks/bench_sampler.py [--model default] [--rows 16] [--steps 200]
+    python benchmarks/bench_sampler.py [--model default] [--rows 16] [--steps 200] [--threads 1]
 
 Prints ms per step for the candidate sampler (engine_worker/sampler.py) and for the previous
 full-vocabulary float64 draw, reimplemented here as the reference.
@@ -43,11 +43,16 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=64 << 20)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 40000, (96,), generator=g).tolist()
+    # Real text, so the next-token distributions are a served model's, not a random prompt's.
+    from benchmarks.bench_speculative import TEXT, chat_ids
+
+    ids = chat_ids(resolve_checkpoint(args.model, cache), TEXT)
     logits = runner.forward_full(ids)[-args.rows :].contiguous()  # (rows, V) real next-token
     sampler = Sampler()
 
