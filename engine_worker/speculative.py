@@ -247,7 +247,9 @@ class SpecDecoder:
             # copy, a draft model of another family) soon stops paying for probes.
             seq.spec_skip_steps = min(BACKOFF_STEPS << seq.spec_backoffs, MAX_BACKOFF_STEPS)
             seq.spec_backoffs += 1
-            seq.spec_acceptance = (1.0 + self.min_acceptance) / 2  # probe again afresh later
+            # The next probe decides at once: one more failed step backs off again, a step with
+            # half its drafts accepted keeps speculating.
+            seq.spec_acceptance = self.min_acceptance + 0.05
 
 
 def _plain_greedy(seq: Sequence) -> bool:
