@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.logprobs import logprob_entries
 from engine_worker.model_runner import ModelRunner, StepItem
-from engine_worker.sampler import Sampler, SamplerInput, logprob_entries, make_generator
+from engine_worker.sampler import Sampler, SamplerInput, make_generator
 from engine_worker.scheduler import ScheduledChunk, Scheduler
 from engine_worker.sequence import Sequence
 from engine_worker.speculative import SpecDecoder
