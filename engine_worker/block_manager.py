@@ -158,19 +158,24 @@ class BlockManager:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def can_append(self, seq: Sequence) -> bool:
-        missing = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        missing = self.blocks_needed(seq.num_tokens + lookahead) - len(seq.block_table)
         return missing <= len(self._free)
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make sure `seq` has a block for position num_tokens - 1 (the token fed next)."""
-        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make sure `seq` has blocks for positions up to num_tokens - 1 + lookahead (the token
+        fed next and `lookahead` speculative drafts after it)."""
+        while len(seq.block_table) < self.blocks_needed(seq.num_tokens + lookahead):
             if not self._free:
                 raise RuntimeError(f"no free block for {seq!r}")
             seq.block_table.append(self._take_fresh())
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register the full blocks that `seq.num_computed_tokens` now covers in the cache."""
+        """Register the full blocks that `seq.num_computed_tokens` now covers in the cache.
+
+        Invariant relied on: every position below `num_computed_tokens` holds the K/V of a
+        committed token. Speculative drafts written past it (rejected, or dropped after a stop)
+        are never hashed, and are overwritten when the sequence reaches those positions."""
         if not self.enable_prefix_caching:
             return
         bs = self._block_size

@@ -12,6 +12,7 @@ from protocol.transport import DEFAULT_ENGINE_ADDRESS
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 def default_cache_dir() -> str:
@@ -53,6 +54,15 @@ class WorkerConfig:
                                    "from kestrel-keygen); with --link-gateway-key turns on "
                                    "authentication and encryption of the engine link")
     link_gateway_key: str = setting("", "the gateway's public certificate (its .key file)")
+    speculative_method: str = setting("off", "speculative decoding: off, ngram (prompt lookup) "
+                                      "or draft (a small model sharing the tokenizer)")
+    num_speculative_tokens: int = setting(4, "draft tokens proposed per sequence and step")
+    draft_model: str = setting("", "draft model for --speculative-method draft: a checkpoint "
+                               "folder or .gguf sharing the served model's tokenizer")
+    speculative_max_batch: int = setting(4, "speculate only in steps with at most this many "
+                                         "running sequences (a busy batch gains nothing)")
+    speculative_min_acceptance: float = setting(0.3, "a sequence whose drafts are accepted less "
+                                                "often than this pauses speculation a while")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default)")
@@ -89,5 +99,16 @@ class WorkerConfig:
         for name in ("link_secret_key", "link_gateway_key"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                             f"not {self.speculative_method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if (self.speculative_method == "draft") != bool(self.draft_model):
+            raise ValueError("--draft-model is required with, and only with, "
+                             "--speculative-method draft")
+        if self.speculative_max_batch < 1 or not 0 <= self.speculative_min_acceptance < 1:
+            raise ValueError("speculative_max_batch must be >= 1 and speculative_min_acceptance "
+                             "in [0, 1)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")

@@ -1,22 +1,30 @@
-"""The engine: requests in, token frames out. One step is schedule -> execute -> update.
+"""The engine: requests in, token frames out. One step is schedule -> propose -> execute ->
+accept -> update.
 
-    Generate ──add()──▶ Scheduler (waiting/running, blocks) ──schedule()──▶ chunks
-    chunks ──ModelRunner.execute()──▶ logits ──Sampler──▶ tokens ──Scheduler.update()──▶ TokenOutput
+    Generate ──add()──▶ Scheduler (waiting/running, blocks) ──schedule(k)──▶ chunks
+    chunks ──SpecDecoder.propose()──▶ drafts on decode chunks (speculation on; k > 0)
+    chunks ──ModelRunner.execute()──▶ logits (one row per chunk; every position of a draft chunk)
+    logits ──Sampler / SpecDecoder.accept()──▶ tokens ──Scheduler.update()──▶ TokenOutput
 
-The engine is single-threaded and owned by the worker's main loop; it never touches a socket.
+Per-request state lives on the sequences (generator, first-scheduled time, proposer state); the
+engine keeps only which sequences make up which request, and its deadline. The engine is
+single-threaded and owned by the worker's main loop; it never touches a socket.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.logprobs import logprob_entries
 from engine_worker.model_runner import ModelRunner, StepItem
 from engine_worker.sampler import Sampler, SamplerInput, make_generator
 from engine_worker.scheduler import ScheduledChunk, Scheduler
 from engine_worker.sequence import Sequence
+from engine_worker.speculative import SpecDecoder
 from protocol import messages as m
 
 
@@ -25,7 +33,7 @@ class _Request:
     request_id: str
     seqs: list[Sequence]
     deadline: float | None
-    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    first_frame_sent: bool = False
 
 
 class Engine:
@@ -37,6 +45,7 @@ class Engine:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         eos_token_ids: list[int] | None = None,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -51,6 +60,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.sampler = Sampler()
+        self.spec = spec
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -69,15 +79,14 @@ class Engine:
         params = gen.params
         # n > 1: one group, so siblings wait for the first one's prompt and share its blocks.
         seqs = Scheduler.make_group(gen.request_id, list(gen.prompt_token_ids), params)
-        req = _Request(gen.request_id, seqs, gen.deadline)
         for i, seq in enumerate(seqs):
             # Each choice has its own generator: seed s gives choice i the stream of seed s + i,
             # so n > 1 choices differ yet stay reproducible.
             seed = None if params.seed is None else params.seed + i
-            req.generators[seq.seq_id] = make_generator(seed, self.runner.device)
+            seq.generator = make_generator(seed, self.runner.device)
         for seq in seqs:
             self.scheduler.add(seq)  # raises before anything else changed for seq 0
-        self.requests[gen.request_id] = req
+        self.requests[gen.request_id] = _Request(gen.request_id, seqs, gen.deadline)
         self.prompt_tokens += len(gen.prompt_token_ids)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[m.TokenOutput]:
@@ -86,6 +95,8 @@ class Engine:
         if req is None:
             return []
         self.scheduler.abort(request_id)
+        for seq in req.seqs:
+            self._release(seq)
         return [
             m.TokenOutput(request_id, seq.index, [], reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, cached_tokens=seq.num_cached_tokens)
@@ -100,6 +111,7 @@ class Engine:
         seq = None if req is None else self.scheduler.abort_seq(request_id, index)
         if req is None or seq is None:
             return []
+        self._release(seq)  # its draft model's blocks, if any
         if all(s.is_finished for s in req.seqs):
             del self.requests[request_id]
         return [m.TokenOutput(request_id, seq.index, [], "abort", seq.num_prompt_tokens,
@@ -116,58 +128,90 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[m.TokenOutput]:
-        chunks = self.scheduler.schedule()
+        sched = self.scheduler
+        k = 0 if self.spec is None else self.spec.lookahead(sched.num_running,
+                                                            sched.max_num_batched_tokens)
+        chunks = sched.schedule(k)
         if not chunks:
             return []
-        logits = self.runner.execute(  # (len(chunks), V) float32
-            [StepItem(c.token_ids, c.start_pos, c.seq.block_table) for c in chunks]
-        )
-        sampled, logprobs = self._sample(chunks, logits)
-        self.scheduler.update(chunks, sampled)
-        return self._outputs(chunks, sampled, logprobs)
+        if self.spec is not None and k:
+            self.spec.propose(chunks)
+        logits = self.runner.execute([  # (rows, V) float32: one per chunk, 1 + n per draft chunk
+            StepItem(c.token_ids, c.start_pos, c.seq.block_table, bool(c.draft_token_ids))
+            for c in chunks
+        ])
+        emitted, logprobs = self._sample(chunks, logits)
+        sched.update(chunks, emitted)
+        return self._outputs(chunks, logprobs)
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
-    ) -> tuple[list[int | None], dict[int, list]]:
-        rows = [i for i, c in enumerate(chunks) if c.sample]
-        sampled: list[int | None] = [None] * len(chunks)
+    ) -> tuple[list[list[int] | None], dict[int, list]]:
+        starts, row = [], 0
+        for c in chunks:
+            starts.append(row)
+            row += 1 + len(c.draft_token_ids)
+        emitted: list[list[int] | None] = [None] * len(chunks)
+        plain = [i for i, c in enumerate(chunks) if c.sample and not c.draft_token_ids]
+        spec = [i for i, c in enumerate(chunks) if c.draft_token_ids]
         logprobs: dict[int, list] = {}
-        if not rows:
-            return sampled, logprobs
-        inputs = []
-        for i in rows:
-            seq = chunks[i].seq
-            gen = self.requests[seq.request_id].generators[seq.seq_id]
-            inputs.append(SamplerInput(seq.params, seq.output_token_ids, gen))
-        results = self.sampler(logits[rows], inputs)  # rows: (S, V)
-        for i, res in zip(rows, results, strict=True):
-            sampled[i] = res.token_id
-            if res.logprob is not None:
-                top = [[t, lp] for t, lp in (res.top_logprobs or [])]
-                logprobs[i] = [res.token_id, res.logprob, top]
-        return sampled, logprobs
+        if plain:
+            inputs = [SamplerInput(chunks[i].seq.params, chunks[i].seq.output_token_ids,
+                                   chunks[i].seq.generator) for i in plain]
+            results = self.sampler(logits[[starts[i] for i in plain]], inputs)  # (S, V) rows
+            for i, res in zip(plain, results, strict=True):
+                emitted[i] = [res.token_id]
+                if res.logprob is not None:
+                    logprobs[i] = [[res.token_id, res.logprob, [list(t) for t in
+                                                                 res.top_logprobs or []]]]
+        if spec:
+            assert self.spec is not None  # drafts exist only when speculation is on
+            rows = [r for i in spec for r in range(starts[i], starts[i] + 1 +
+                                                   len(chunks[i].draft_token_ids))]
+            tokens = self.spec.accept(self.sampler, [chunks[i] for i in spec], logits[rows])
+            for i, toks in zip(spec, tokens, strict=True):
+                emitted[i] = toks
+                k = chunks[i].seq.params.logprobs
+                if k is not None:  # raw logprobs at each emitted token's own position
+                    logprobs[i] = logprob_entries(logits[starts[i] : starts[i] + len(toks)],
+                                                  toks, k)
+        return emitted, logprobs
 
-    def _outputs(self, chunks: list[ScheduledChunk], sampled: list[int | None],
-                 logprobs: dict[int, list]) -> list[m.TokenOutput]:
+    def _outputs(self, chunks: list[ScheduledChunk], logprobs: dict[int, list]
+                 ) -> list[m.TokenOutput]:
         outputs = []
         for i, chunk in enumerate(chunks):
-            token = sampled[i]
-            if token is None:
+            if not chunk.sample or chunk.num_emitted == 0:
                 continue
             seq = chunk.seq
-            self.generated_tokens += 1
-            outputs.append(m.TokenOutput(
-                seq.request_id, seq.index, [token], seq.finish_reason, seq.num_prompt_tokens,
-                seq.num_output_tokens, [logprobs[i]] if i in logprobs else None,
-                seq.num_cached_tokens,
-            ))
+            n = chunk.num_emitted
+            tokens = seq.output_token_ids[-n:]
+            self.generated_tokens += n
             req = self.requests.get(seq.request_id)
+            since = None
+            if req is not None and not req.first_frame_sent:
+                req.first_frame_sent = True
+                started = [s.first_scheduled_time for s in req.seqs
+                           if s.first_scheduled_time is not None]
+                since = time.monotonic() - min(started) if started else None
+            lp = logprobs[i][:n] if i in logprobs else None
+            outputs.append(m.TokenOutput(
+                seq.request_id, seq.index, tokens, seq.finish_reason, seq.num_prompt_tokens,
+                seq.num_output_tokens, lp, seq.num_cached_tokens, since,
+            ))
+            if seq.is_finished:
+                self._release(seq)
             if req is not None and all(s.is_finished for s in req.seqs):
                 del self.requests[seq.request_id]
         return outputs
 
+    def _release(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
+
     def stats(self) -> m.Stats:
         bm = self.block_manager
+        spec = self.spec.stats if self.spec is not None else None
         return m.Stats(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
@@ -178,4 +222,7 @@ class Engine:
             preemptions=self.scheduler.preemptions,
             generated_tokens=self.generated_tokens,
             prompt_tokens=self.prompt_tokens,
+            spec_proposed_tokens=spec.proposed if spec else 0,
+            spec_accepted_tokens=spec.accepted if spec else 0,
+            spec_verify_steps=spec.verify_steps if spec else 0,
         )

@@ -16,14 +16,12 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine_worker.config import WorkerConfig
 from engine_worker.memory_budget import kv_budget_bytes
 from engine_worker.naming import served_names
-from engine_worker.sequence import SequenceStatus
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
 from protocol.jsonlog import setup_logging
@@ -48,10 +46,6 @@ class WorkerLoop:
         # so tests can check that a cancel is honoured within one step.
         self.after_cancel: dict[str, int] = defaultdict(int)
         self.finish: dict[str, list[str]] = defaultdict(list)
-        # For the gateway's queue-wait metric: requests not yet scheduled, and, once scheduled,
-        # the start of that step until their first token frame goes out (see TokenOutput).
-        self.unscheduled: set[str] = set()
-        self.scheduled_at: dict[str, float] = {}
 
     def run(self) -> int:
         while True:
@@ -60,10 +54,8 @@ class WorkerLoop:
             self._drain_inbound(block=not self.engine.has_work)
             for rid in self.engine.expired(time.time()):
                 self._send_all(self.engine.abort(rid, "timeout"))
-            step_start = time.monotonic()
-            outputs = self.engine.step()
-            self._note_scheduled(step_start)
-            self._send_all(outputs)
+            # The engine stamps a request's first frame with its time since first scheduled.
+            self._send_all(self.engine.step())
             self.link.stats = self.engine.stats()
             if self.stop.is_set():
                 if self.drain_started is None:
@@ -101,7 +93,6 @@ class WorkerLoop:
             except ValueError as exc:
                 self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
                 return
-            self.unscheduled.add(msg.request_id)
         elif isinstance(msg, m.Cancel) and msg.index is not None:
             self._send_all(self.engine.abort_choice(msg.request_id, msg.index))
         elif isinstance(msg, m.Cancel):
@@ -114,20 +105,10 @@ class WorkerLoop:
             for rid in list(self.engine.requests):
                 self._send_all(self.engine.abort(rid, "abort"))
 
-    def _note_scheduled(self, step_start: float) -> None:
-        """Requests the step just run scheduled for the first time (gone: finished in it)."""
-        for rid in list(self.unscheduled):
-            req = self.engine.requests.get(rid)
-            if req is None or any(s.status is not SequenceStatus.WAITING for s in req.seqs):
-                self.unscheduled.discard(rid)
-                self.scheduled_at[rid] = step_start
-
     def _send_all(self, outputs: list[m.TokenOutput]) -> None:
         ended: dict[str, m.TokenOutput] = {}
         for out in outputs:
             rid = out.request_id
-            if out.token_ids and rid in self.scheduled_at:  # the request's first token frame
-                out = replace(out, since_scheduled_s=time.monotonic() - self.scheduled_at.pop(rid))
             if out.token_ids and rid in self.link.cancel_arrivals:
                 self.after_cancel[rid] += len(out.token_ids)
             self.out.send(out)
@@ -135,8 +116,6 @@ class WorkerLoop:
                 self.finish[rid].append(out.finish_reason)
                 if rid not in self.engine.requests:
                     ended[rid] = out
-                    self.unscheduled.discard(rid)
-                    self.scheduled_at.pop(rid, None)
         for rid, out in ended.items():
             self._log_request_end(rid, out)
 
@@ -224,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         quantization=cfg.quantization,
         group_size=cfg.quant_group_size,
     )
+    from engine_worker.speculative import build_spec_decoder
+
     engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    enable_prefix_caching=cfg.prefix_caching)
+                    enable_prefix_caching=cfg.prefix_caching,
+                    spec=build_spec_decoder(cfg, runner))
     hello = build_hello(cfg, runner, checkpoint)
     log.info("model loaded", extra={"fields": {
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),

@@ -7,7 +7,8 @@ Data flow of `execute(items)`:
          (ids, positions, slots, decode block lists, context lengths, rows to score) packed into
          one int64 buffer and moved to the device in one copy, then sliced
       -> LlamaForCausalLM.forward (writes K/V into the KVCache in place, reads earlier tokens)
-      -> float32 logits (len(items), V), row i = last token of items[i]
+      -> float32 logits (R, V): one row per item (its last token), or one row per token for an
+         item with `all_logits` (speculative verification scores every draft), in item order
 
 The runner owns the weights and the KV cache memory; which blocks a sequence owns is decided
 outside (block manager), and arrives here as block tables.
@@ -34,6 +35,8 @@ class StepItem:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    # Logits for every token of the item, not only the last (speculative verification).
+    all_logits: bool = False
 
 
 class ModelRunner:
@@ -85,7 +88,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
-        """float32 logits (len(items), V) for the last token of each item, one forward pass."""
+        """float32 logits (R, V), one forward pass: a row for the last token of each item, or
+        rows for all its tokens when `item.all_logits`, in item order."""
         if not items:
             raise ValueError("execute needs at least one item")
         ids, positions, meta, rows = self._prepare(items)
@@ -129,7 +133,7 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        last_row = [0] * len(items)  # row of each item's last token, in the items' order
+        scored: list[list[int]] = [[] for _ in items]  # rows to score of each item
         for i in order:
             it = items[i]
             table, start = it.block_table, it.start_pos
@@ -137,7 +141,9 @@ class ModelRunner:
             ids += it.token_ids
             pos += p
             slots += [table[q // bs] * bs + q % bs for q in p]
-            last_row[i] = len(ids) - 1
+            scored[i] = list(range(len(ids) - len(it.token_ids), len(ids))) if it.all_logits \
+                else [len(ids) - 1]
+        last_row = [r for rows in scored for r in rows]  # in the items' order
 
         b = len(decodes)
         ctx = [it.start_pos + 1 for it in decodes]  # context length of each decode
@@ -152,7 +158,7 @@ class ModelRunner:
             ids + pos + slots + last_row + dec_blocks + ctx, dtype=torch.int64
         ).to(self.device, non_blocking=True)
         ids_t, pos_t, slots_t, rows_t, blocks_t, ctx_t = packed.split(
-            [n, n, n, len(items), len(dec_blocks), b]
+            [n, n, n, len(last_row), len(dec_blocks), b]
         )
         decode_where: torch.Tensor | int | None = blocks_t if b else None
         if b == 1:  # a lone decode in consecutive blocks reads a view instead of gathering

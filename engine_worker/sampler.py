@@ -10,14 +10,18 @@ Data flow for one decode step, `Sampler()(logits, inputs)` with logits (B, V), o
 3. greedy rows (temperature < 1e-5): argmax of the penalized logits. No RNG is touched.
 4. sampled rows: divide by temperature, keep the top_k tokens (0 or -1: off), then the nucleus
    (the smallest set of tokens whose probability mass is >= top_p after top-k renormalization,
-   never fewer than the top one), then draw by inverse CDF: one uniform u from the row's own
-   `torch.Generator`, the token is the first whose float64 cumulative probability exceeds u.
+   never fewer than the top one), then draw by inverse CDF over the surviving candidates only
+   (best first): one uniform u from the row's own `torch.Generator`, the token is the first whose
+   float64 cumulative probability exceeds u. A row that filters nothing draws over the whole
+   vocabulary in id order. `Sampler.probs` gives the same distributions as dense rows, for
+   speculative acceptance.
 
 Every step is batched over the rows that need it; only the one-number draw per row loops. That
 matters more than it looks: a per-row op on a (V,) row costs a whole op's dispatch (a kernel launch
 on a GPU, a thread-pool wake-up on a busy CPU), and 64 of them dwarf the arithmetic. Top-k/top-p
 avoid a full-vocab sort: they look at the best `NUCLEUS_CANDIDATES` tokens (or top_k, if larger)
-and sort the whole row only for a row whose nucleus is wider than that.
+and sort the whole row only for a row whose nucleus is wider than that; the draw then works on
+those candidates, never on a full-vocabulary float64 CDF.
 
 Reproducibility: each sampled row draws exactly one uniform from its own generator per step,
 whatever its params, its position in the batch, or who else is in it, and every batched op works
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_worker.logprobs import with_logprobs
 from protocol.messages import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks at this many best tokens before falling back to a sort
@@ -102,17 +107,129 @@ class Sampler:
         if greedy:
             token_ids[greedy] = work[greedy].argmax(dim=-1)  # (G,)
         if sampled:
-            params = [inputs[i].params for i in sampled]
-            temps = torch.tensor([p.temperature for p in params], device=device)  # (S,)
-            z = work[sampled] / temps.unsqueeze(1)  # (S, V)
-            _filter_(z, params)  # (S, V) removed tokens now at -inf
-            gens = [_generator_for(inputs[i], device) for i in sampled]
-            token_ids[sampled] = _draw(z, gens)  # (S,)
+            for cands in _candidates(work, sampled, inputs):
+                gens = [_generator_for(inputs[i], device) for i in cands.rows]
+                token_ids[cands.rows] = cands.draw(gens)  # (C,)
 
         tokens = token_ids.tolist()
         if raw_lp is None:
             return [SampleResult(t, None, None) for t in tokens]
-        return _with_logprobs(tokens, raw_lp, want_lp, inputs)
+        return with_logprobs(tokens, raw_lp, want_lp, inputs)
+
+    def probs(self, logits: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+        """The distribution each row's token would be drawn from, as dense float32 (B, V):
+        after penalties, temperature, top-k and top-p; one-hot at the argmax for greedy rows.
+        Speculative acceptance compares these (target) with a draft's. No RNG is touched."""
+        if logits.dim() != 2 or logits.shape[0] != len(inputs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(inputs)} inputs")
+        work = _penalized(logits.float(), inputs)  # (B, V)
+        out = torch.zeros_like(work)  # (B, V)
+        greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
+        sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
+        if greedy:
+            out[greedy] = out[greedy].scatter_(1, work[greedy].argmax(-1, keepdim=True), 1.0)
+        if sampled:
+            for cands in _candidates(work, sampled, inputs):
+                out[cands.rows] = cands.dense(work.shape[1])  # (C, V)
+        return out
+
+
+@dataclass
+class _Candidates:
+    """Sampled rows sharing one candidate width: temperature-scaled logits of the tokens that
+    survived top-k/top-p (removed ones at -inf), and their token ids (None: the whole vocabulary,
+    in id order, for rows that filter nothing)."""
+
+    rows: list[int]  # batch rows
+    logits: torch.Tensor  # (C, W)
+    ids: torch.Tensor | None  # (C, W) token ids, best first
+
+    def draw(self, gens: list[torch.Generator]) -> torch.Tensor:
+        """One token per row by inverse CDF over the candidates, each row its own generator."""
+        # float64: exact enough over the whole vocabulary, and cheap over a few candidates.
+        cdf = torch.softmax(self.logits, dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # (C, W)
+        device = self.logits.device
+        u = torch.stack(
+            [torch.rand((), generator=g, dtype=torch.float64, device=device) for g in gens]
+        )  # (C,) exactly one draw per row and step
+        target = (u * cdf[:, -1]).unsqueeze(1)  # (C, 1) scaled: the total may be 1 - epsilon
+        # The first index whose CDF exceeds u; a removed token adds no width, so never chosen.
+        picked = torch.searchsorted(cdf, target, right=True)  # (C, 1)
+        picked = picked.clamp_max_(self.logits.shape[1] - 1)
+        if self.ids is None:
+            return picked.squeeze(1)
+        return self.ids.gather(1, picked).squeeze(1)  # (C,)
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        probs = torch.softmax(self.logits, dim=-1)  # (C, W)
+        if self.ids is None:
+            return probs
+        return torch.zeros(len(self.rows), vocab, device=probs.device).scatter_(1, self.ids, probs)
+
+
+def _candidates(
+    work: torch.Tensor, sampled: list[int], inputs: list[SamplerInput]
+) -> list[_Candidates]:
+    """Temperature, then top-k and top-p, on the sampled rows of the penalized logits `work`.
+
+    Rows that filter keep only their best tokens (top_k of them; for top-p alone 64, widened to
+    NUCLEUS_CANDIDATES and then the whole sorted vocabulary only for rows whose nucleus is wider);
+    nothing past them is touched again, so a draw costs the candidates, not the vocabulary."""
+    vocab = work.shape[1]
+    device = work.device
+    params = [inputs[i].params for i in sampled]
+    temps = torch.tensor([p.temperature for p in params], device=device)  # (S,)
+    z = work[sampled] / temps.unsqueeze(1)  # (S, V)
+    filt = [j for j, p in enumerate(params) if _top_k_active(p, vocab) or p.top_p < 1.0]
+    plain = [j for j in range(len(sampled)) if j not in set(filt)]
+    groups: list[_Candidates] = []
+    if plain:
+        groups.append(_Candidates([sampled[j] for j in plain], z[plain], None))
+    if not filt:
+        return groups
+    k_rows = [j for j in filt if _top_k_active(params[j], vocab)]
+    p_rows = [j for j in filt if not _top_k_active(params[j], vocab)]
+    if k_rows:
+        # top-k bounds the candidates: never short.
+        width = max(params[j].top_k for j in k_rows)
+        groups += _filtered(z, k_rows, sampled, params, [width])
+    if p_rows:
+        # top-p alone: most nuclei of a real model fit in a few dozen tokens; widen only the
+        # rows that fall short (a flat distribution), last over the whole vocabulary.
+        groups += _filtered(z, p_rows, sampled, params, [64, NUCLEUS_CANDIDATES, vocab])
+    return groups
+
+
+def _filtered(
+    z: torch.Tensor, js: list[int], sampled: list[int], params: list[SamplingParams],
+    widths: list[int],
+) -> list[_Candidates]:
+    """Candidates of rows `js` of z, trying each width in turn for the rows still short."""
+    vocab = z.shape[1]
+    device = z.device
+    chosen = [params[j] for j in js]
+    has_k = torch.tensor([_top_k_active(p, vocab) for p in chosen], device=device)  # (F,)
+    top_k = torch.tensor([p.top_k if _top_k_active(p, vocab) else vocab for p in chosen],
+                         device=device)  # (F,)
+    # top_p >= 1 means off: +inf keeps every top-k survivor even if float sums reach 1 early.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in chosen],
+                         device=device)  # (F,)
+    zf = z[js]  # (F, V)
+    rows = [sampled[j] for j in js]
+    pending = list(range(len(js)))  # indexes into js still to place
+    groups: list[_Candidates] = []
+    for w in [min(w, vocab) for w in widths]:
+        sel = pending
+        vals, idx, short = _top_k_top_p(zf[sel], has_k[sel], top_k[sel], top_p[sel], w)
+        if w == vocab:
+            short = torch.zeros_like(short)  # the whole vocabulary cannot fall short
+        done = (~short).nonzero().squeeze(1).tolist()
+        if done:
+            groups.append(_Candidates([rows[sel[d]] for d in done], vals[done], idx[done]))
+        pending = [sel[d] for d in short.nonzero().squeeze(1).tolist()]
+        if not pending:
+            break
+    return groups
 
 
 def _penalized(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
@@ -143,37 +260,13 @@ def _penalized(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
     return work.index_put((torch.tensor(rows, device=device),), work[rows] - penalty)
 
 
-def _filter_(z: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Top-k then top-p, in place on the scratch rows z, on the rows that set them."""
-    vocab = z.shape[1]
-    rows = [j for j, p in enumerate(params) if _top_k_active(p, vocab) or p.top_p < 1.0]
-    if not rows:
-        return
-    chosen = [params[j] for j in rows]
-    ks = [p.top_k if _top_k_active(p, vocab) else vocab for p in chosen]
-    has_k = torch.tensor([_top_k_active(p, vocab) for p in chosen], device=z.device)  # (F,)
-    top_k = torch.tensor(ks, device=z.device)  # (F,)
-    # top_p >= 1 means off: +inf keeps every top-k survivor even if float sums reach 1 early.
-    ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in chosen]
-    top_p = torch.tensor(ps, device=z.device)  # (F,)
-    zf = z[rows]  # (F, V)
-    # Candidates: enough for every top_k, and NUCLEUS_CANDIDATES for rows with top-p alone.
-    no_k = vocab in ks
-    width = min(vocab, max([NUCLEUS_CANDIDATES if no_k else 1] + [k for k in ks if k < vocab]))
-    kept, short = _top_k_top_p(zf, has_k, top_k, top_p, width)  # (F, V) (F,)
-    if no_k and bool(short.any()):
-        # Rare: a nucleus wider than the candidates (a flat distribution). Redo those rows over
-        # the whole vocabulary, where no row can fall short.
-        kept[short] = _top_k_top_p(zf[short], has_k[short], top_k[short], top_p[short], vocab)[0]
-    z[rows] = kept
-
-
 def _top_k_top_p(
     zf: torch.Tensor, has_k: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Filter rows looking only at their `width` best tokens (width >= every top_k).
 
-    Returns the filtered rows and, per row, whether its nucleus may extend past the candidates.
+    Returns the candidates' logits (removed ones at -inf) and token ids, best first, and per row
+    whether its nucleus may extend past the candidates.
     """
     vals, idx = torch.topk(zf, width, dim=-1)  # (F, W) (F, W), best first
     pos = torch.arange(width, device=zf.device)  # (W,)
@@ -191,8 +284,7 @@ def _top_k_top_p(
     keep[:, 0] = True  # the top token always survives, even with top_p <= 0
     vals = vals.masked_fill(~keep, float("-inf"))  # (F, W)
     short = ~has_k & (probs.sum(-1) < top_p)  # (F,)
-    out = torch.full_like(zf, float("-inf")).scatter_(1, idx, vals)  # (F, V)
-    return out, short
+    return vals, idx, short
 
 
 def _generator_for(x: SamplerInput, device: torch.device) -> torch.Generator:
@@ -202,39 +294,3 @@ def _generator_for(x: SamplerInput, device: torch.device) -> torch.Generator:
         # A generator rebuilt from the seed at every step would repeat the same draw.
         raise ValueError("a seeded sampled sequence needs its own generator")
     return make_generator(None, device)  # unseeded: a throwaway, global RNG untouched
-
-
-def _draw(z: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """One sample per row of softmax(z) by inverse CDF, each row with its own generator."""
-    # float64 so that the cumulative sum over the whole vocabulary does not drift.
-    cdf = torch.softmax(z, dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # (S, V)
-    u = torch.stack(
-        [torch.rand((), generator=g, dtype=torch.float64, device=z.device) for g in gens]
-    )  # (S,) exactly one draw per row and step
-    target = (u * cdf[:, -1]).unsqueeze(1)  # (S, 1) scaled: the total may be 1 - epsilon
-    # The first index whose CDF exceeds u; a removed token adds no width, so it is never chosen.
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (S,)
-    return picked.clamp_max_(z.shape[1] - 1)
-
-
-def _with_logprobs(
-    tokens: list[int], raw_lp: torch.Tensor, want: list[int], inputs: list[SamplerInput]
-) -> list[SampleResult]:
-    """Results, with the raw logprobs of the chosen token and the k best for rows that asked."""
-    device = raw_lp.device
-    chosen_ids = torch.tensor([tokens[i] for i in want], device=device)  # (L,)
-    chosen = raw_lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()  # (L,)
-    k_max = min(max(inputs[i].params.logprobs or 0 for i in want), raw_lp.shape[1])
-    top_vals, top_idx = torch.topk(raw_lp, k_max, dim=-1)  # (L, K) (L, K), best first
-    top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
-    row_of = {i: r for r, i in enumerate(want)}
-    results: list[SampleResult] = []
-    for i, (token, x) in enumerate(zip(tokens, inputs, strict=True)):
-        r = row_of.get(i)
-        if r is None:
-            results.append(SampleResult(token, None, None))
-            continue
-        k = x.params.logprobs or 0
-        top = list(zip(top_idx_l[r][:k], top_vals_l[r][:k], strict=True))
-        results.append(SampleResult(token, chosen[r], top))
-    return results

@@ -7,16 +7,25 @@ Data flow, once per engine step:
     new = scheduler.update(chunks, sampled)  # advance, append, finish, free
 
 A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its tokens). Each step
-spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence, then
-the next chunk of every running prefill, then new admissions in FCFS order. When a decode finds
+spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence (plus up
+to `lookahead` draft slots each when the engine speculates), then the next chunk of every running
+prefill, then new admissions in FCFS order.
+
+Speculation: a decode chunk may carry drafts (`chunk.draft_token_ids`, filled by the engine's
+proposer after scheduling); `update` then receives every token the acceptance step emitted. Only
+committed tokens advance `num_computed_tokens`: the K/V of accepted drafts is kept, that of
+rejected ones sits past `num_computed_tokens` and is overwritten later, and the block manager
+hashes only full blocks below `num_computed_tokens` into the prefix cache. When a decode finds
 no free block, the newest running sequence is preempted (blocks freed, back to the front of the
 queue, recomputed later, mostly from the prefix cache): a sequence is delayed, never dropped.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine_worker.block_manager import BlockManager
 from engine_worker.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -39,10 +48,19 @@ class ScheduledChunk:
     start_pos: int
     num_tokens: int
     sample: bool
+    # Speculation (decode chunks only): how many drafts the blocks reserved this step allow, the
+    # drafts the proposer filled in (fed after the last token, scored at every position), and
+    # their draft distribution (a (len(drafts), V) tensor; None: one-hot, e.g. n-gram lookup).
+    max_drafts: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    num_emitted: int = 0  # set by update: tokens committed from this chunk
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
+        """The committed tokens to compute, then the drafts to verify."""
+        end = self.start_pos + self.num_tokens
+        return self.seq.token_ids[self.start_pos : end] + self.draft_token_ids
 
 
 class Scheduler:
@@ -160,7 +178,14 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def draft_room(self, seq: Sequence) -> int:
+        """Most drafts `seq` may carry: every accepted draft plus the bonus token must fit in
+        max_tokens and the context."""
+        return max(0, min(seq.params.max_tokens - seq.num_output_tokens,
+                          self.max_model_len - seq.num_tokens) - 1)
+
+    def schedule(self, lookahead: int = 0) -> list[ScheduledChunk]:
+        """This step's chunks; decodes get up to `lookahead` draft slots each (blocks reserved)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -172,6 +197,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # still prefilling: step 2
+            # Drafts only where their blocks are free now: speculation never preempts anyone.
+            drafts = min(lookahead, self.draft_room(seq)) if seq.params.speculative else 0
+            if drafts and not self.block_manager.can_append(seq, drafts):
+                drafts = 0
             while not self.block_manager.can_append(seq):
                 victim = self._running[-1]
                 self._preempt(victim)
@@ -180,14 +209,15 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.block_manager.append_slot(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_tokens - 1, 1, sample=True))
-            budget -= 1
+            self.block_manager.append_slot(seq, drafts)
+            chunks.append(ScheduledChunk(seq, seq.num_tokens - 1, 1, sample=True,
+                                         max_drafts=drafts))
+            budget -= 1 + drafts
 
         # 2. Running prefills: their blocks were all allocated at admission.
         for seq in self._running:
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining <= 1 or budget == 0:
+            if remaining <= 1 or budget <= 0:
                 continue
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1].num_tokens
@@ -213,6 +243,8 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq)
             self._waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             chunks.append(self._chunk(seq, budget))
@@ -220,8 +252,13 @@ class Scheduler:
         self._waiting.extendleft(reversed(gated))
         return chunks
 
-    def update(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> list[Sequence]:
-        """Apply one step's results. Returns the sequences that got a new token, in chunk order."""
+    def update(
+        self, chunks: list[ScheduledChunk], sampled: list[int | list[int] | None]
+    ) -> list[Sequence]:
+        """Apply one step's results: per chunk, its sampled token, or the tokens acceptance
+        emitted (accepted drafts, then one sampled token), or None for a prefill chunk that does
+        not sample. Tokens past a finishing one are dropped (`chunk.num_emitted` says how many
+        were kept). Returns the sequences that got new tokens, in chunk order."""
         if len(chunks) != len(sampled):
             raise ValueError(f"{len(chunks)} chunks but {len(sampled)} sampled entries")
         new: list[Sequence] = []
@@ -235,17 +272,32 @@ class Scheduler:
             seq.num_prefilled_tokens_total += max(
                 0, min(end, seq.num_prompt_tokens) - chunk.start_pos
             )
-            seq.num_computed_tokens = end
-            self.block_manager.mark_computed(seq)
+            tokens = [token] if isinstance(token, int) else list(token or [])
+            if chunk.sample and not tokens:
+                raise ValueError(f"no token sampled for a sampling chunk of {seq!r}")
+            if len(tokens) > 1 + len(chunk.draft_token_ids) or (
+                tokens[:-1] != chunk.draft_token_ids[: len(tokens) - 1]
+            ):
+                raise ValueError(f"emitted tokens are not accepted drafts + one for {seq!r}")
+            # Accepted drafts were fed this step, so their K/V is computed too.
+            seq.num_computed_tokens = end + max(0, len(tokens) - 1)
             if seq.group is not None and end >= seq.num_prompt_tokens:
                 seq.group.prompt_computed = True
             if not chunk.sample:
+                self.block_manager.mark_computed(seq)
                 continue
-            if token is None:
-                raise ValueError(f"no token sampled for a sampling chunk of {seq!r}")
-            seq.append_token(token)
+            chunk.num_emitted = 0
+            reason = None
+            for tok in tokens:
+                seq.append_token(tok)
+                chunk.num_emitted += 1
+                reason = self._finish_reason(seq, tok)
+                if reason is not None:
+                    break
+            # Tokens dropped after a finish were never committed.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.block_manager.mark_computed(seq)
             new.append(seq)
-            reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
         return new

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum, auto
+from typing import Any
 
 from protocol.messages import SamplingParams
 
@@ -64,6 +65,20 @@ class Sequence:
         # Prompt tokens whose K/V this sequence computed itself (not served from the prefix
         # cache), summed over all its prefills: a preempted sequence that recomputes counts again.
         self.num_prefilled_tokens_total = 0
+        # Per-request state that lives as long as the sequence (no side maps in the worker):
+        # when the scheduler first admitted it (monotonic seconds), and whether its first token
+        # frame has gone out (the queue-wait metric measures up to it).
+        self.first_scheduled_time: float | None = None
+        self.first_token_sent = False
+        # Its private sampling RNG (a torch.Generator, set by the engine; no torch here).
+        self.generator: Any = None
+        # Speculative decoding: the proposer's own state (n-gram index, draft KV blocks), and a
+        # running mean of the fraction of drafts accepted, which turns speculation off for a
+        # sequence whose drafts keep failing (see speculative.py).
+        self.proposer_state: Any = None
+        self.spec_acceptance = 1.0
+        self.spec_skip_steps = 0
+        self.spec_backoffs = 0  # failed probes in a row: the next backoff is 2**this longer
 
     # -- token views ---------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ class Formatter:
     def _common_params(self) -> dict[str, Any]:
         b = self.body
         return dict(temperature=b.temperature, top_p=b.top_p, top_k=b.top_k, seed=b.seed,
-                    ignore_eos=b.ignore_eos)
+                    ignore_eos=b.ignore_eos, speculative=b.speculative)
 
     # ---- non-streamed ------------------------------------------------------------------------
 

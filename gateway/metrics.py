@@ -43,11 +43,14 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
                                 "cancel or past a stop string that no client received"),
     "worker_prompt_tokens": ("prompt_tokens", "prompt tokens of the requests the worker took"),
     "spec_decode_proposed_tokens": ("spec_proposed_tokens",
-                                    "draft tokens proposed by speculative decoding (0 until it "
-                                    "is enabled)"),
+                                    "draft tokens proposed by speculative decoding (0 while it "
+                                    "is off)"),
     "spec_decode_accepted_tokens": ("spec_accepted_tokens",
-                                    "draft tokens accepted by speculative decoding (0 until it "
-                                    "is enabled)"),
+                                    "draft tokens accepted by speculative decoding (0 while it "
+                                    "is off)"),
+    "spec_decode_verify_steps": ("spec_verify_steps",
+                                 "sequence-steps that verified drafts; accepted tokens over "
+                                 "these is the mean accepted length per step"),
 }
 
 

@@ -74,6 +74,7 @@ class _SamplingFields(_StopField):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False  # extension
+    speculative: bool = True  # extension: False opts this request out of speculative decoding
     timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
     user: str | None = None
 
@@ -133,6 +134,7 @@ class GenerateRequest(_StopField):
     top_k: TOP_K = -1
     seed: SEED | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # False opts this request out of speculative decoding
     timeout: Annotated[float, Field(gt=0.0)] | None = None
 
 

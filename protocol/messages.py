@@ -35,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and k top ones
     n: int = 1
+    speculative: bool = True  # False: this request opts out of the worker's speculative decoding
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,12 @@ class Stats:
     preemptions: int = 0  # cumulative
     generated_tokens: int = 0  # cumulative, aborted requests' included
     prompt_tokens: int = 0  # cumulative
-    # Speculative decoding will feed these (cumulative draft tokens proposed / accepted); until
-    # then they stay 0, and the gateway exports them so dashboards need no change later.
+    # Speculative decoding (cumulative draft tokens proposed / accepted; 0 when it is off).
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Verify steps (one per sequence per step that carried drafts, cumulative): accepted tokens
+    # over these is the mean accepted length per step.
+    spec_verify_steps: int = 0
 
 
 @dataclass(frozen=True)

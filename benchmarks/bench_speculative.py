@@ -1,0 +1,183 @@
+"""Speculative decoding: decode speed with speculation off, n-gram lookup, and a draft model.
+
+    python benchmarks/bench_speculative.py [--model default] [--draft tiny] [--batch 1,16]
+        [--max-tokens 128] [--modes off,ngram,draft] [--rounds 1]
+
+Runs the engine in process (no HTTP), greedy, one workload at a time, alternating the modes
+inside each (workload, batch) so a shared machine's drift hits them alike. Workloads:
+  rewrite  input-grounded: rewrite a given ~300-token text, keeping every fact
+  code     input-grounded: return a given function with a variable renamed
+  chat     plain chat: an open question, nothing to copy from
+Decode speed = output tokens after each request's first / time from the step where every
+request had its first token to the end (prefill excluded); the median over --rounds. Engine
+steps = forward passes of the target in that span: a figure no other load on the machine moves.
+Prints a markdown table with the speed-up over "off" and the acceptance (accepted / proposed
+drafts, mean accepted per verify).
+
+The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
+never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
+is a small and a large model of one family sharing a tokenizer, e.g. SmolLM2-135M drafting for
+SmolLM2-1.7B, or Qwen2.5-0.5B for Qwen2.5-7B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine_worker.draft_proposer import DraftModelProposer
+from engine_worker.engine import Engine
+from engine_worker.model.loader import resolve_checkpoint, tokenizer_info
+from engine_worker.model_runner import ModelRunner
+from engine_worker.speculative import NgramProposer, SpecDecoder
+from protocol import messages as m
+
+TEXT = (
+    "The kestrel is a small falcon that hunts over open country, farmland, heaths and the edges "
+    "of towns. It is best known for hovering: it faces into the wind, spreads its tail and beats "
+    "its wings fast enough to hold its head perfectly still while it scans the ground below for "
+    "voles, mice, shrews, beetles and large insects. When it spots prey it drops in steps, then "
+    "falls steeply with its wings half closed and takes the animal in its talons. A kestrel may "
+    "hover and drop many times an hour, and in winter, when voles are scarce, it spends longer "
+    "perched on posts and wires, watching instead of flying, to save energy. Kestrels do not "
+    "build nests of their own. They lay their eggs in holes in trees, on cliff ledges, in the "
+    "old nests of crows and magpies, and more and more often on buildings: church towers, "
+    "bridges and the ledges of tall office blocks in the middle of cities. A pair usually "
+    "raises four or five chicks, which leave the nest after about a month but stay near their "
+    "parents for several weeks more while they learn to hunt. The species declined sharply in "
+    "the second half of the twentieth century as farming changed and pesticides entered the "
+    "food chain, and in some regions its numbers are still falling today."
+)
+CODE = '''def summarize(records, cutoff):
+    totals = {}
+    for rec in records:
+        if rec["score"] < cutoff:
+            continue
+        name = rec["name"].strip().lower()
+        totals[name] = totals.get(name, 0) + rec["score"]
+    ranked = sorted(totals.items(), key=lambda item: item[1], reverse=True)
+    best = [name for name, total in ranked[:10]]
+    report = []
+    for name in best:
+        report.append(f"{name}: {totals[name]}")
+    return "\\n".join(report)
+'''
+WORKLOADS = {
+    "rewrite": "Rewrite the following text in clear, simple English. Keep every fact and keep "
+               "the order of the sentences.\n\n" + TEXT,
+    "code": "Rename the variable `totals` to `score_by_name` in this Python function and "
+            "return the whole function, unchanged otherwise.\n\n```python\n" + CODE + "```",
+    "chat": "What are some good habits for staying productive when working from home? "
+            "Give a detailed answer.",
+}
+
+
+def chat_ids(path: Path, text: str) -> list[int]:
+    import jinja2
+    from tokenizers import Tokenizer
+
+    info = tokenizer_info(path)
+    rendered = jinja2.Template(info.chat_template or "").render(
+        messages=[{"role": "user", "content": text}], add_generation_prompt=True)
+    return Tokenizer.from_str(info.tokenizer_json).encode(rendered,
+                                                          add_special_tokens=False).ids
+
+
+def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch: int,
+        max_tokens: int) -> tuple[float, int, SpecDecoder | None]:
+    """(decode tok/s, engine steps after every request's first token, the spec decoder)."""
+    e = Engine(runner, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, spec=spec)
+    for i in range(batch):
+        # A distinct first token per request keeps the prefix cache from merging them.
+        ids = [prompt[0]] + [100 + i] + prompt[1:]
+        e.add(m.Generate(f"r{i}", ids, m.SamplingParams(max_tokens=max_tokens,
+                                                        temperature=0.0, ignore_eos=True)))
+    started: set[str] = set()
+    t_first = None
+    tokens_after = 0
+    steps = 0
+    while e.has_work:
+        if t_first is not None:
+            steps += 1
+        for o in e.step():
+            if o.request_id in started:
+                tokens_after += len(o.token_ids)
+            elif o.token_ids:
+                started.add(o.request_id)
+                tokens_after += len(o.token_ids) - 1
+        if t_first is None and len(started) == batch:
+            t_first = time.perf_counter()
+    assert t_first is not None
+    return tokens_after / (time.perf_counter() - t_first), steps, spec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--draft", default="tiny", help="draft checkpoint; 'tiny': tiny-llama-seed0")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="off,ngram,draft")
+    ap.add_argument("--workloads", default="rewrite,code,chat")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=4, help="--speculative-max-batch")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    path = resolve_checkpoint(args.model, cache)
+    runner = ModelRunner(path, kv_budget_bytes=256 << 20)
+    modes = args.modes.split(",")
+    draft = None
+    if "draft" in modes:
+        dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
+            args.draft, cache)
+        draft = ModelRunner(dpath, kv_budget_bytes=128 << 20)
+
+    def make(mode: str) -> SpecDecoder | None:
+        if mode == "off":
+            return None
+        proposer = NgramProposer() if mode == "ngram" else DraftModelProposer(draft)
+        return SpecDecoder(proposer, args.k, max_batch=args.max_batch, min_acceptance=0.3)
+
+    # Warm-up: first calls of oneDNN kernels are slow.
+    run(runner, make("ngram"), chat_ids(path, "Hi"), 1, 8)
+    print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
+          f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
+    print("| workload | batch | mode | decode tok/s | vs off | engine steps | accepted/proposed "
+          "| accepted per verify |")
+    print("|---|---|---|---|---|---|---|---|")
+    for wl in args.workloads.split(","):
+        prompt = chat_ids(path, WORKLOADS[wl])
+        for batch in (int(b) for b in args.batch.split(",")):
+            speeds: dict[str, list[float]] = {mo: [] for mo in modes}
+            stats: dict[str, str] = {}
+            steps: dict[str, int] = {}
+            for _ in range(args.rounds):
+                for mode in modes:
+                    tps, steps[mode], spec = run(runner, make(mode), prompt, batch,
+                                                 args.max_tokens)
+                    speeds[mode].append(tps)
+                    if spec is not None:
+                        s = spec.stats
+                        rate = s.accepted / s.proposed if s.proposed else 0.0
+                        per = s.accepted / s.verify_steps if s.verify_steps else 0.0
+                        stats[mode] = f"{s.accepted}/{s.proposed} ({rate:.0%}) | {per:.2f}"
+            # Medians: on a shared machine one slow round should not decide a row.
+            base = statistics.median(speeds["off"]) if "off" in speeds else None
+            for mode in modes:
+                tps = statistics.median(speeds[mode])
+                ratio = f"{tps / base:.2f}x" if base else "-"
+                print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
+                      f"{steps[mode]} | {stats.get(mode, '- | -')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
