@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.grammar import GrammarCompiler, GrammarMatcher, advance_all
 from engine_worker.model_runner import ModelRunner, StepItem
 from engine_worker.sampler import Sampler, SamplerInput, make_generator
 from engine_worker.scheduler import ScheduledChunk, Scheduler
@@ -26,6 +27,7 @@ class _Request:
     seqs: list[Sequence]
     deadline: float | None
     generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    matchers: dict[int, GrammarMatcher] = field(default_factory=dict)  # seq_id -> its grammar
 
 
 class Engine:
@@ -37,6 +39,7 @@ class Engine:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         eos_token_ids: list[int] | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -51,6 +54,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
         )
         self.sampler = Sampler()
+        self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -75,6 +79,11 @@ class Engine:
             # so n > 1 choices differ yet stay reproducible.
             seed = None if params.seed is None else params.seed + i
             req.generators[seq.seq_id] = make_generator(seed, self.runner.device)
+        if gen.grammar is not None:  # structured output: one matcher per choice
+            if self.grammars is None:
+                raise ValueError("this worker does not support structured output")
+            for seq in seqs:
+                req.matchers[seq.seq_id] = self.grammars.matcher(gen.grammar)
         for seq in seqs:
             self.scheduler.add(seq)  # raises before anything else changed for seq 0
         self.requests[gen.request_id] = req
@@ -123,11 +132,18 @@ class Engine:
         if not rows:
             return sampled, logprobs
         inputs = []
+        matchers: list[GrammarMatcher | None] = []
         for i in rows:
             seq = chunks[i].seq
-            gen = self.requests[seq.request_id].generators[seq.seq_id]
+            req = self.requests[seq.request_id]
+            gen = req.generators[seq.seq_id]
             inputs.append(SamplerInput(seq.params, seq.output_token_ids, gen))
-        results = self.sampler(logits[rows], inputs)  # rows: (S, V)
+            matchers.append(req.matchers.get(seq.seq_id))
+        allowed = None  # (S, V) bool, only when some row is constrained
+        if self.grammars is not None:
+            allowed = self.grammars.allowed_tokens(matchers, logits.device)
+        results = self.sampler(logits[rows], inputs, allowed)  # rows: (S, V)
+        advance_all(matchers, [r.token_id for r in results])  # every sampled token is committed
         for i, res in zip(rows, results, strict=True):
             sampled[i] = res.token_id
             if res.logprob is not None:

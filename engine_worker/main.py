@@ -201,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         quantization=cfg.quantization,
         group_size=cfg.quant_group_size,
     )
+    from engine_worker.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler((checkpoint / "tokenizer.json").read_text(encoding="utf-8"),
+                               runner.config.vocab_size, list(runner.config.eos_token_ids))
     engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    enable_prefix_caching=cfg.prefix_caching)
+                    enable_prefix_caching=cfg.prefix_caching, grammars=grammars)
     hello = build_hello(cfg, runner, checkpoint)
     log.info("model loaded", extra={"fields": {
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),

@@ -60,6 +60,7 @@ class Prepared:
     stop: list[str]
     deadline: float
     arrival: float
+    grammar: str | None = None  # structured output (gateway/structured.py)
 
 
 class GatewayState:
@@ -224,7 +225,7 @@ class GatewayState:
         except QueueClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
-                         prep.stop, prep.deadline, prep.arrival, slot)
+                         prep.stop, prep.deadline, prep.arrival, slot, grammar=prep.grammar)
         try:
             await gen.start()
         except NoWorkerError as exc:

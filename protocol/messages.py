@@ -96,6 +96,12 @@ class Generate:
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline: float | None = None  # wall-clock seconds since the epoch; None: no deadline
+    # Structured output: llguidance's JSON grammar, built and validated by the gateway
+    # (gateway/structured.py); the worker masks every choice's tokens with it. None: free text.
+    grammar: str | None = None
+    # W3C trace context ("00-<trace id>-<span id>-<flags>") of the gateway's request span, so the
+    # worker's span joins the same trace; None when tracing is off.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
