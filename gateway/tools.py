@@ -19,8 +19,9 @@ The prompt format (documented in the README): the tools go at the end of the sys
     </tool_call>
 
 An assistant turn that called tools is rendered as that same `<tool_call>` block, and a `tool`
-message as a user turn `<tool_response>\\n{content}\\n</tool_response>`, so the model sees its own
-call and the answer in the one format.
+message as a user turn `The result of <function name>: <content>` (the name found through its
+tool_call_id). SmolLM2 never saw a "tool" role or a `<tool_response>` tag: given either, it
+echoes the result back; given a user turn in words, it answers from it.
 
 Constraints: `required` and a named function allow exactly one call, its arguments constrained
 by the tool's JSON schema (compact whitespace). `auto` allows either free text that does not
@@ -70,14 +71,17 @@ def _call_block(name: str, arguments: Any) -> str:
 def render_messages(messages: list[Any], tools: list[Tool] | None) -> list[dict[str, str]]:
     """The conversation as plain role/content messages a text-only chat template can render."""
     out: list[dict[str, str]] = []
+    names: dict[str, str] = {}  # tool_call_id -> the function it called
     for msg in messages:
         text = msg.text()
         if msg.role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
+            name = names.get(msg.tool_call_id or "", "the function")
+            out.append({"role": "user", "content": f"The result of {name}: {text}"})
             continue
         if msg.role == "assistant" and msg.tool_calls:
             blocks = []
             for call in msg.tool_calls:
+                names[call.id] = call.function.name
                 try:
                     args = json.loads(call.function.arguments)
                 except ValueError:
