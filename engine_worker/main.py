@@ -49,6 +49,11 @@ class WorkerLoop:
         # the start of that step until their first token frame goes out (see TokenOutput).
         self.unscheduled: set[str] = set()
         self.scheduled_at: dict[str, float] = {}
+        from engine_worker.tracing import WorkerTracer
+
+        # One span per request when an OTLP endpoint is set (None: off, nothing imported).
+        self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
+                                          getattr(getattr(link, "hello", None), "worker_id", ""))
 
     def run(self) -> int:
         while True:
@@ -93,9 +98,13 @@ class WorkerLoop:
             log.info("request received", extra={"fields": {
                 "event": "request_start", "request_id": msg.request_id,
                 "prompt_tokens": len(msg.prompt_token_ids)}})
+            if self.tracer is not None:
+                self.tracer.received(msg)
             try:
                 self.engine.add(msg)
             except ValueError as exc:
+                if self.tracer is not None:
+                    self.tracer.refused(msg.request_id, str(exc))
                 self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
                 return
             self.unscheduled.add(msg.request_id)
@@ -122,6 +131,8 @@ class WorkerLoop:
             if out.token_ids and rid in self.link.cancel_arrivals:
                 self.after_cancel[rid] += len(out.token_ids)
             self.out.send(out)
+            if self.tracer is not None:
+                self.tracer.output(out)
             if out.finish_reason is not None:
                 self.finish[rid].append(out.finish_reason)
                 if rid not in self.engine.requests:
@@ -140,6 +151,8 @@ class WorkerLoop:
             "cached_tokens": out.cached_tokens,
             "tokens_after_cancel": self.after_cancel.pop(rid, 0),
         }
+        if self.tracer is not None:
+            self.tracer.finished(rid, out, fields["finish_reasons"])
         arrival = self.link.cancel_arrivals.pop(rid, None)
         if arrival is not None:  # monotonic -> wall clock, for comparing with the client's
             fields["cancel_received_ts"] = time.time() - (time.monotonic() - arrival)
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         link.stop(dying_reason=f"engine error: {type(exc).__name__}: {exc}")
         return 1
     link.stop(dying_reason="shutdown" if code == 0 else f"refused: {link.rejected}")
+    if loop.tracer is not None:
+        loop.tracer.shutdown()  # flush the last spans
     return code
 
 

@@ -28,6 +28,8 @@ class GatewayConfig:
     heartbeat_timeout_s: float = setting(1.5, "a worker silent this long is lost")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces, e.g. "
+                                 "http://127.0.0.1:4318 (empty: tracing off; needs the otel extra)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
