@@ -4,8 +4,8 @@
 
 1. Mask cost per step (no model): B matchers under a JSON-schema grammar, each walked along a
    valid document token by token; per step we time `GrammarCompiler.allowed_tokens` (llguidance
-   fills the bitmask for the B rows, we unpack it to a (B, V) bool tensor) plus the masked_fill
-   the sampler does, and report the median and p90 in microseconds.
+   fills the bitmask for the B rows, we unpack it to a (B, V) bool tensor), then that plus the
+   masked_fill the sampler does, and report medians (and the p90) in microseconds.
 2. Decode tok/s through our Engine, the same B random prompts, unconstrained (ignore_eos) vs
    constrained by a JSON schema that cannot end early (an array with minItems 1000 of objects
    with a string and an integer), so both runs produce exactly B * new tokens, sampled at
@@ -45,7 +45,7 @@ ENDLESS = {"type": "array", "minItems": 1000, "items": {
     "required": ["label", "count"], "additionalProperties": False}}
 
 
-def mask_cost(path: Path, batch: int) -> tuple[float, float, int]:
+def mask_cost(path: Path, batch: int) -> tuple[float, float, float, int]:
     import torch
     from tokenizers import Tokenizer
 
@@ -60,16 +60,19 @@ def mask_cost(path: Path, batch: int) -> tuple[float, float, int]:
                                               add_special_tokens=False).ids
     matchers = [compiler.matcher(grammar) for _ in range(batch)]
     logits = torch.randn(batch, cfg["vocab_size"])  # (B, V)
-    times = []
+    times, fills = [], []
     for token in ids:
         t0 = time.perf_counter()
         allowed = compiler.allowed_tokens(matchers)  # (B, V)
+        t1 = time.perf_counter()
         logits.masked_fill(~allowed, float("-inf"))  # (B, V) what the sampler does
         times.append(time.perf_counter() - t0)
+        fills.append(t1 - t0)
         assert bool(allowed[:, token].all()), "the document's next token must be allowed"
         advance_all(matchers, [token] * batch)
     times.sort()
-    return statistics.median(times) * 1e6, times[int(len(times) * 0.9)] * 1e6, len(ids)
+    return (statistics.median(fills) * 1e6, statistics.median(times) * 1e6,
+            times[int(len(times) * 0.9)] * 1e6, len(ids))
 
 
 def decode_rate(engine, batch: int, new: int, grammar: str | None, tag: str) -> float:  # noqa: ANN001
@@ -97,8 +100,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from engine_worker.config import default_cache_dir
     from engine_worker.engine import Engine
@@ -108,11 +115,12 @@ def main() -> None:
     from gateway.structured import json_grammar
 
     path = resolve_checkpoint(args.model, Path(default_cache_dir()))
-    print("| batch | mask median us/step | mask p90 us/step | steps |")
-    print("|---|---|---|---|")
+    print("| batch | llguidance masks + unpack, median us | + masked_fill, median us | "
+          "+ masked_fill, p90 us | steps |")
+    print("|---|---|---|---|---|")
     for b in args.batches:
-        med, p90, n = mask_cost(path, b)
-        print(f"| {b} | {med:.0f} | {p90:.0f} | {n} |")
+        fill, med, p90, n = mask_cost(path, b)
+        print(f"| {b} | {fill:.0f} | {med:.0f} | {p90:.0f} | {n} |")
 
     runner = ModelRunner(path, dtype=torch.float32, kv_budget_bytes=1 << 30)
     compiler = GrammarCompiler((path / "tokenizer.json").read_text(), runner.config.vocab_size,
