@@ -92,14 +92,16 @@ class GrammarCompiler:
             fill_next_token_bitmask(m.matcher, bitmask, i)
         # Bit j of word w is token 32 * w + j: little-endian bit order over the bytes.
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        # unpackbits yields 0/1 bytes: viewed as bool with no copy and no torch op on CPU.
-        allowed = torch.from_numpy(bits.view(np.bool_)).to(device)  # (S, V)
         for m, i in rows:
-            if m.failed or not bool(allowed[i].any()):
-                # Unreachable under the mask; if it happens anyway, end the sequence cleanly.
-                allowed[i] = False
-                allowed[i, self.eos_token_ids] = True
-        return allowed
+            if m.failed:
+                bits[i] = 0
+        # A row with nothing allowed is unreachable under the mask; if it happens anyway (a
+        # matcher in an error state), allow only EOS so the sequence ends cleanly. Unconstrained
+        # rows are all ones, so never empty.
+        for i in np.flatnonzero(~bits.any(axis=1)):  # (S,) one numpy op, not one per row
+            bits[i, self.eos_token_ids] = 1
+        # unpackbits yields 0/1 bytes: viewed as bool with no copy and no torch op on CPU.
+        return torch.from_numpy(bits.view(np.bool_)).to(device)  # (S, V)
 
 
 def advance_all(matchers: list[GrammarMatcher | None], token_ids: list[int]) -> None:

@@ -100,7 +100,7 @@ class Sampler:
 
         work = _penalized(work, inputs)  # (B, V)
         if allowed is not None:  # structured output: a token the grammar forbids is never drawn
-            work = work.masked_fill(~allowed, float("-inf"))  # (B, V)
+            work = torch.where(allowed, work, float("-inf"))  # (B, V) one op, out of place
         token_ids = torch.zeros(len(inputs), dtype=torch.long, device=device)  # (B,)
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
