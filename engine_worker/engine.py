@@ -82,8 +82,8 @@ class Engine:
         if gen.grammar is not None:  # structured output: one matcher per choice
             if self.grammars is None:
                 raise ValueError("this worker does not support structured output")
-            for seq in seqs:
-                req.matchers[seq.seq_id] = self.grammars.matcher(gen.grammar)
+            matchers = self.grammars.matchers(gen.grammar, len(seqs))
+            req.matchers = {seq.seq_id: mt for seq, mt in zip(seqs, matchers, strict=True)}
         for seq in seqs:
             self.scheduler.add(seq)  # raises before anything else changed for seq 0
         self.requests[gen.request_id] = req

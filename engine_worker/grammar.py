@@ -78,6 +78,12 @@ class GrammarCompiler:
             raise GrammarError(f"invalid grammar: {inner.get_error()}")
         return GrammarMatcher(inner, self.eos_token_ids)
 
+    def matchers(self, grammar: str, n: int) -> list[GrammarMatcher]:
+        """n fresh matchers (one per choice): compiled once, then copied, which is cheaper."""
+        first = self.matcher(grammar)
+        return [first] + [GrammarMatcher(first.matcher.deep_copy(), self.eos_token_ids)
+                          for _ in range(n - 1)]
+
     def allowed_tokens(self, matchers: list[GrammarMatcher | None],
                        device: torch.device | str = "cpu") -> torch.Tensor | None:
         """(S, V) bool, True where row i may sample the token; None when no row is constrained.
