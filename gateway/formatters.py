@@ -266,7 +266,6 @@ class ChatFormatter(Formatter):
                   "finish_reason": event.finish_reason}
         return [self._chunk([choice], **self._final_extras(event))]
 
-
     def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         """Content passes through; a tool call is sent as tool_calls deltas when it is whole."""
         deltas, finish = self.tool_streams[event.index].feed(event.text, event.finish_reason)
