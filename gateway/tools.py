@@ -24,7 +24,8 @@ tool_call_id). SmolLM2 never saw a "tool" role or a `<tool_response>` tag: given
 echoes the result back; given a user turn in words, it answers from it.
 
 Constraints: `required` and a named function allow exactly one call, its arguments constrained
-by the tool's JSON schema (compact whitespace). `auto` allows either free text that does not
+by the tool's JSON schema (compact whitespace; an object with listed properties gets no others
+unless its schema sets additionalProperties). `auto` allows either free text that does not
 begin with "<", or one call: the model chooses with its first token, and once it writes
 `<tool_call>` the rest is constrained like `required`. `none` renders no tools and constrains
 nothing. One call per turn (parallel_tool_calls is accepted; the grammar allows one call).
@@ -98,10 +99,26 @@ def render_messages(messages: list[Any], tools: list[Tool] | None) -> list[dict[
     return out
 
 
+def closed(schema: Any) -> Any:
+    """A copy of a JSON schema whose objects with listed properties admit no others unless they
+    say so. JSON Schema allows extra properties by default, and a small model, given the room,
+    writes made-up keys (SmolLM2 copied "maxLength" from the prompt into its arguments) until
+    max_tokens cuts the call off. Arguments valid here are still valid under the tool's schema."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     options = []
     for t in tools:
-        params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
+        params = closed(t.function.parameters) if t.function.parameters is not None \
+            else {"type": "object"}
         options.append({"type": "object", "additionalProperties": False,
                         "properties": {"name": {"const": t.function.name}, "arguments": params},
                         "required": ["name", "arguments"]})

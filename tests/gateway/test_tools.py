@@ -63,6 +63,20 @@ def test_required_and_named_allow_exactly_one_valid_call(lltok: LLTokenizer) -> 
     assert accepts(lltok, named, '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>')
 
 
+def test_arguments_get_no_unlisted_keys_unless_the_schema_allows_them(lltok: LLTokenizer) -> None:
+    open_params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    loose = {"type": "object", "properties": {"city": {"type": "string"}},
+             "additionalProperties": True}
+    for params, extra_ok in ((open_params, False), (loose, True)):
+        b = ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+        plan = ToolPlan.from_request(b)
+        assert plan is not None
+        extra = '<tool_call>\n{"name":"f","arguments":{"city":"a","x":1}}\n</tool_call>'
+        assert accepts(lltok, plan, extra) is extra_ok
+
+
 def test_auto_allows_free_text_or_a_constrained_call(lltok: LLTokenizer) -> None:
     auto = ToolPlan.from_request(body())
     assert auto is not None and auto.mode == "auto"
