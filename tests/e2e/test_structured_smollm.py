@@ -92,7 +92,7 @@ def test_required_and_named_tool_choice_always_give_a_valid_call(client: openai.
         i, question = i_q
         out = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], tools=TOOLS,
-            tool_choice=tool_choice, temperature=1.0, seed=i, max_tokens=40)
+            tool_choice=tool_choice, temperature=1.0, seed=i, max_tokens=80)
         choice0 = out.choices[0]
         assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
         assert len(choice0.message.tool_calls) == 1
@@ -118,7 +118,7 @@ def test_streamed_tool_call_arrives_as_indexed_deltas(client: openai.OpenAI) -> 
 def test_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> None:
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                           tool_choice="required", temperature=0, max_tokens=40)
+                                           tool_choice="required", temperature=0, max_tokens=80)
     msg = first.choices[0].message
     _check_call(msg.tool_calls[0], set(SCHEMAS))
     messages.append(msg.model_dump(exclude_none=True))
@@ -162,7 +162,7 @@ def test_langchain_bind_tools_required_named_and_a_tool_result(smollm_server) ->
 
     gw, _ = smollm_server
     llm = ChatOpenAI(model=MODEL, base_url=gw.base_url + "/v1", api_key="unused",
-                     temperature=0, max_tokens=40, max_retries=0)
+                     temperature=0, max_tokens=80, max_retries=0)
     schemas = {"get_weather": get_weather.model_json_schema(),
                "get_time": get_time.model_json_schema()}
     for tool_choice, allowed in (("required", set(schemas)), ("get_time", {"get_time"})):
