@@ -67,6 +67,8 @@ class WorkerConfig:
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default)")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces, e.g. "
+                                 "http://127.0.0.1:4318 (empty: tracing off; needs the otel extra)")
 
     def served_names(self) -> tuple[str, ...]:
         """The names given for the model (empty: derive one from the checkpoint)."""

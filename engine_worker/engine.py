@@ -14,11 +14,12 @@ single-threaded and owned by the worker's main loop; it never touches a socket.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.grammar import GrammarCompiler, GrammarMatcher, advance_all
 from engine_worker.logprobs import logprob_entries
 from engine_worker.model_runner import ModelRunner, StepItem
 from engine_worker.sampler import Sampler, SamplerInput, make_generator
@@ -34,6 +35,7 @@ class _Request:
     seqs: list[Sequence]
     deadline: float | None
     first_frame_sent: bool = False
+    matchers: dict[int, GrammarMatcher] = field(default_factory=dict)  # seq_id -> its grammar
 
 
 class Engine:
@@ -46,6 +48,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         eos_token_ids: list[int] | None = None,
         spec: SpecDecoder | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -61,6 +64,7 @@ class Engine:
         )
         self.sampler = Sampler()
         self.spec = spec
+        self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -77,6 +81,11 @@ class Engine:
         if any(t < 0 or t >= vocab for t in gen.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params = gen.params
+        if gen.grammar is not None and self.grammars is None:
+            raise ValueError("this worker does not support structured output")
+        if gen.grammar is not None:
+            # Drafts are not checked against the grammar, so constrained requests do not speculate.
+            params = replace(params, speculative=False)
         # n > 1: one group, so siblings wait for the first one's prompt and share its blocks.
         seqs = Scheduler.make_group(gen.request_id, list(gen.prompt_token_ids), params)
         for i, seq in enumerate(seqs):
@@ -84,9 +93,14 @@ class Engine:
             # so n > 1 choices differ yet stay reproducible.
             seed = None if params.seed is None else params.seed + i
             seq.generator = make_generator(seed, self.runner.device)
+        matchers: dict[int, GrammarMatcher] = {}
+        if gen.grammar is not None and self.grammars is not None:  # one matcher per choice
+            built = self.grammars.matchers(gen.grammar, len(seqs))
+            matchers = {seq.seq_id: mt for seq, mt in zip(seqs, built, strict=True)}
         for seq in seqs:
             self.scheduler.add(seq)  # raises before anything else changed for seq 0
-        self.requests[gen.request_id] = _Request(gen.request_id, seqs, gen.deadline)
+        self.requests[gen.request_id] = _Request(gen.request_id, seqs, gen.deadline,
+                                                 matchers=matchers)
         self.prompt_tokens += len(gen.prompt_token_ids)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[m.TokenOutput]:
@@ -158,7 +172,12 @@ class Engine:
         if plain:
             inputs = [SamplerInput(chunks[i].seq.params, chunks[i].seq.output_token_ids,
                                    chunks[i].seq.generator) for i in plain]
-            results = self.sampler(logits[[starts[i] for i in plain]], inputs)  # (S, V) rows
+            matchers = [self._matcher(chunks[i].seq) for i in plain]
+            allowed = None  # (S, V) bool, only when some row is constrained
+            if self.grammars is not None:
+                allowed = self.grammars.allowed_tokens(matchers, logits.device)
+            results = self.sampler(logits[[starts[i] for i in plain]], inputs, allowed)  # (S, V)
+            advance_all(matchers, [r.token_id for r in results])  # each sampled token commits
             for i, res in zip(plain, results, strict=True):
                 emitted[i] = [res.token_id]
                 if res.logprob is not None:
@@ -204,6 +223,10 @@ class Engine:
             if req is not None and all(s.is_finished for s in req.seqs):
                 del self.requests[seq.request_id]
         return outputs
+
+    def _matcher(self, seq: Sequence) -> GrammarMatcher | None:
+        req = self.requests.get(seq.request_id)
+        return None if req is None else req.matchers.get(seq.seq_id)
 
     def _release(self, seq: Sequence) -> None:
         if self.spec is not None:

@@ -46,6 +46,11 @@ class WorkerLoop:
         # so tests can check that a cancel is honoured within one step.
         self.after_cancel: dict[str, int] = defaultdict(int)
         self.finish: dict[str, list[str]] = defaultdict(list)
+        from engine_worker.tracing import WorkerTracer
+
+        # One span per request when an OTLP endpoint is set (None: off, nothing imported).
+        self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
+                                          getattr(getattr(link, "hello", None), "worker_id", ""))
 
     def run(self) -> int:
         while True:
@@ -88,9 +93,13 @@ class WorkerLoop:
             log.info("request received", extra={"fields": {
                 "event": "request_start", "request_id": msg.request_id,
                 "prompt_tokens": len(msg.prompt_token_ids)}})
+            if self.tracer is not None:
+                self.tracer.received(msg)
             try:
                 self.engine.add(msg)
             except ValueError as exc:
+                if self.tracer is not None:
+                    self.tracer.refused(msg.request_id, str(exc))
                 self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
                 return
         elif isinstance(msg, m.Cancel) and msg.index is not None:
@@ -112,6 +121,8 @@ class WorkerLoop:
             if out.token_ids and rid in self.link.cancel_arrivals:
                 self.after_cancel[rid] += len(out.token_ids)
             self.out.send(out)
+            if self.tracer is not None:
+                self.tracer.output(out)
             if out.finish_reason is not None:
                 self.finish[rid].append(out.finish_reason)
                 if rid not in self.engine.requests:
@@ -128,6 +139,8 @@ class WorkerLoop:
             "cached_tokens": out.cached_tokens,
             "tokens_after_cancel": self.after_cancel.pop(rid, 0),
         }
+        if self.tracer is not None:
+            self.tracer.finished(rid, out, fields["finish_reasons"])
         arrival = self.link.cancel_arrivals.pop(rid, None)
         if arrival is not None:  # monotonic -> wall clock, for comparing with the client's
             fields["cancel_received_ts"] = time.time() - (time.monotonic() - arrival)
@@ -203,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         quantization=cfg.quantization,
         group_size=cfg.quant_group_size,
     )
+    from engine_worker.grammar import GrammarCompiler
     from engine_worker.speculative import build_spec_decoder
 
+    grammars = GrammarCompiler((checkpoint / "tokenizer.json").read_text(encoding="utf-8"),
+                               runner.config.vocab_size, list(runner.config.eos_token_ids))
     engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_prefix_caching=cfg.prefix_caching,
-                    spec=build_spec_decoder(cfg, runner))
+                    spec=build_spec_decoder(cfg, runner), grammars=grammars)
     hello = build_hello(cfg, runner, checkpoint)
     log.info("model loaded", extra={"fields": {
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         link.stop(dying_reason=f"engine error: {type(exc).__name__}: {exc}")
         return 1
     link.stop(dying_reason="shutdown" if code == 0 else f"refused: {link.rejected}")
+    if loop.tracer is not None:
+        loop.tracer.shutdown()  # flush the last spans
     return code
 
 

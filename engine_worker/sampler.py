@@ -89,7 +89,10 @@ def _top_k_active(params: SamplingParams, vocab: int) -> bool:
 class Sampler:
     """Stateless: all per-sequence state (generator, output tokens) lives in the inputs."""
 
-    def __call__(self, logits: torch.Tensor, inputs: list[SamplerInput]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, inputs: list[SamplerInput],
+                 allowed: torch.Tensor | None = None) -> list[SampleResult]:
+        """`allowed`: an optional (B, V) bool mask from constrained decoding (engine_worker/
+        grammar.py), applied after the penalties and before greedy/temperature/top-k/top-p."""
         if logits.dim() != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(inputs)} inputs")
         device = logits.device
@@ -101,6 +104,8 @@ class Sampler:
         raw_lp = torch.log_softmax(work[want_lp], dim=-1) if want_lp else None  # (L, V)
 
         work = _penalized(work, inputs)  # (B, V)
+        if allowed is not None:  # structured output: a token the grammar forbids is never drawn
+            work = torch.where(allowed, work, float("-inf"))  # (B, V) one op, out of place
         token_ids = torch.zeros(len(inputs), dtype=torch.long, device=device)  # (B,)
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]

@@ -34,6 +34,8 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             yield
         finally:
             await state.client.close()
+            if state.tracer is not None:
+                state.tracer.shutdown()  # flush the last spans
 
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),

@@ -55,6 +55,8 @@ class GatewayConfig:
                            "held) or least_loaded")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces, e.g. "
+                                 "http://127.0.0.1:4318 (empty: tracing off; needs the otel extra)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

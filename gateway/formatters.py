@@ -22,7 +22,9 @@ from gateway.schemas import (
     check_limits,
 )
 from gateway.service import GatewayState, Prepared
+from gateway.structured import request_grammar
 from gateway.tokenizer import ChatTemplateError
+from gateway.tools import ToolPlan, ToolStream, render_messages
 
 
 class Formatter:
@@ -37,6 +39,7 @@ class Formatter:
         self.texts: list[list[str]] = []
         self.logprobs: list[list[list]] = []
         self.sent_first_token = False  # the native stream puts ttft_ms on its first token
+        self.tool_plan: ToolPlan | None = None  # chat with callable tools (gateway/tools.py)
 
     @property
     def stream(self) -> bool:
@@ -59,6 +62,9 @@ class Formatter:
                          max_tokens_cap=cfg.max_tokens_cap)
         except RequestLimitError as exc:
             raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
+        # Structured output / tool grammar: a bad one is a 400 before anything is tokenized.
+        tools_lark = self.tool_plan.lark() if self.tool_plan else None
+        grammar = await request_grammar(self.body, tools_lark)
         model = self.state.resolve_model(getattr(self.body, "model", None))
         self.model = model
         try:
@@ -73,7 +79,8 @@ class Formatter:
                            param="prompt", code="invalid_token_ids")
         sampling = self.state.make_params(model, len(ids), max_tokens, **params)
         return Prepared(model, ids, sampling, stop,
-                        self.state.deadline(arrival, getattr(self.body, "timeout", None)), arrival)
+                        self.state.deadline(arrival, getattr(self.body, "timeout", None)), arrival,
+                        grammar)
 
     def _common_params(self) -> dict[str, Any]:
         b = self.body
@@ -204,7 +211,11 @@ class ChatFormatter(Formatter):
 
     async def prepare(self, arrival: float) -> Prepared:
         b: ChatCompletionRequest = self.body
-        messages = [{"role": msg.role, "content": msg.text()} for msg in b.messages]
+        self.tool_plan = ToolPlan.from_request(b)
+        self.tool_streams = [ToolStream(self.tool_plan) for _ in range(b.n)] if self.tool_plan \
+            else []
+        # Tool calls and results become plain turns; tools go into the system message.
+        messages = render_messages(b.messages, b.tools if self.tool_plan else None)
         chars = sum(len(msg["content"]) for msg in messages)
 
         def tokenize(model: Any) -> Any:
@@ -233,10 +244,14 @@ class ChatFormatter(Formatter):
 
     def response(self) -> dict[str, Any]:
         assert self.gen is not None
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.text(i)},
-                    "logprobs": self._logprobs(self.logprobs[i]),
-                    "finish_reason": self.gen.finish_reasons[i]}
-                   for i in range(self.gen.params.n)]
+        choices = []
+        for i in range(self.gen.params.n):
+            message: dict[str, Any] = {"role": "assistant", "content": self.text(i)}
+            finish = self.gen.finish_reasons[i]
+            if self.tool_plan is not None:  # tool calls parsed out of the text
+                message, finish = self.tool_plan.message(self.text(i), finish)
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.gen.model.model_id, "choices": choices, "usage": self.usage(),
                 "timings": self.timings()}
@@ -247,10 +262,26 @@ class ChatFormatter(Formatter):
                 for i in range(self.body.n)]
 
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        if self.tool_plan is not None:
+            return self._tool_stream_event(event)
         choice = {"index": event.index, "delta": {"content": event.text},
                   "logprobs": self._logprobs(event.logprobs or []),
                   "finish_reason": event.finish_reason}
         return [self._chunk([choice], **self._final_extras(event))]
+
+    def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        """Content passes through; a tool call is sent as tool_calls deltas when it is whole."""
+        deltas, finish = self.tool_streams[event.index].feed(event.text, event.finish_reason)
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = {"index": event.index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish if last else None}
+            chunks.append(self._chunk([choice], **(self._final_extras(event) if last else {})))
+        if not deltas and event.finish_reason is not None:
+            choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            chunks.append(self._chunk([choice], **self._final_extras(event)))
+        return chunks
 
 
 class NativeFormatter(Formatter):

@@ -140,7 +140,7 @@ class _Choice:
 class Generation:
     def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
-                 deadline: float, arrival: float, slot: Slot) -> None:
+                 deadline: float, arrival: float, slot: Slot, grammar: str | None = None) -> None:
         self.client = client
         self.model = model
         self.request_id = request_id
@@ -154,6 +154,8 @@ class Generation:
         self.cached_tokens = 0
         self.handle: RequestHandle | None = None
         self._live = False  # the worker may still be generating for us
+        self.grammar = grammar  # llguidance grammar for the worker's mask; None: free text
+        self.traceparent: str | None = None  # set by the tracer before start(); None: off
 
     @property
     def prompt_tokens(self) -> int:
@@ -175,7 +177,8 @@ class Generation:
     async def start(self) -> None:
         # The link sends the time left (timeout_s), never a wall-clock instant: the worker's
         # clock need not agree with ours.
-        gen = m.Generate(self.request_id, self.prompt_ids, self.params)
+        gen = m.Generate(self.request_id, self.prompt_ids, self.params,
+                         grammar=self.grammar, traceparent=self.traceparent)
         # Taken before the await: once it yields, a busy loop may resume us after the worker
         # has already answered.
         self.timings.sent = time.monotonic()

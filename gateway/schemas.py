@@ -13,9 +13,17 @@ number is a 422, never an encoding error.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gateway.output_schemas import (
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 MAX_N = 8
 MAX_LOGPROBS = 5
@@ -77,6 +85,13 @@ class _SamplingFields(_StopField):
     speculative: bool = True  # extension: False opts this request out of speculative decoding
     timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
     user: str | None = None
+    # Structured output (gateway/structured.py): OpenAI's response_format and vLLM's extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -103,6 +118,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -118,6 +135,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Tools (gateway/tools.py): rendered into the prompt, calls parsed from the output.
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -28,6 +28,7 @@ from gateway.errors import APIError, validation_error
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.rate_limit import RateLimiter
+from gateway.tracing import RequestTracer
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.gateway.requests")
@@ -42,6 +43,7 @@ class Prepared:
     stop: list[str]
     deadline: float
     arrival: float
+    grammar: str | None = None  # structured output (gateway/structured.py)
 
 
 class GatewayState:
@@ -60,6 +62,7 @@ class GatewayState:
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
+        self.tracer = RequestTracer.create(cfg.otlp_endpoint)  # None: tracing off
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())
         self.metrics.in_flight.set_function(lambda: self.admission.outstanding)
         self.metrics.waiting.set_function(lambda: self.admission.waiting)
@@ -223,7 +226,9 @@ class GatewayState:
             ticket.cancel()
             raise
         gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
-                         prep.stop, prep.deadline, prep.arrival, slot)
+                         prep.stop, prep.deadline, prep.arrival, slot, grammar=prep.grammar)
+        if self.tracer is not None:  # the span opens here so its context reaches the worker
+            self.tracer.start(gen)
         try:
             await gen.start()
         except NoWorkerError as exc:
@@ -275,6 +280,8 @@ class GatewayState:
                 engine_request_id=gen.request_id,
                 worker=gen.handle.worker.name if gen.handle else None)
         log.info("request ended", extra={"fields": fields})
+        if self.tracer is not None:
+            self.tracer.end(route, status, gen, arrival, request_id, finish)
 
 
 def _finish_reason(status: int, gen: Generation | None) -> str:
