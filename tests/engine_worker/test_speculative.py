@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.block_manager import BlockManager, chain_hash
+from engine_worker.block_manager import _ROOT_HASH, BlockManager, chain_hash
 from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model_runner import ModelRunner
@@ -180,7 +180,7 @@ def test_prefix_cache_registers_only_committed_tokens() -> None:
     assert seq.token_ids == list(range(1, 11))
     assert seq.num_computed_tokens == 9  # 8 and the accepted draft 9; 10 not yet fed
     assert bm.num_cached_blocks == 2  # blocks 0..3 and 4..7; block 8..11 holds a rejected draft
-    h0 = chain_hash(0, (1, 2, 3, 4))
+    h0 = chain_hash(_ROOT_HASH, (1, 2, 3, 4))
     assert seq.block_hashes == [h0, chain_hash(h0, (5, 6, 7, 8))]
     chunks = sched.schedule(lookahead=3)
     chunks[0].draft_token_ids = [11, 12, 13]
