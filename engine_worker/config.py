@@ -8,7 +8,7 @@ from pathlib import Path
 from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 
@@ -28,7 +28,10 @@ class WorkerConfig:
     model_id: str = setting("", "name the model is served as (default: from the checkpoint)")
     cache_dir: str = setting(default_cache_dir(), "where converted checkpoints are kept")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1 ...")
-    dtype: str = setting("float32", "weights and activations dtype: " + ", ".join(DTYPES))
+    dtype: str = setting("auto", "weights and activations dtype: " + ", ".join(DTYPES) +
+                         "; auto = a GGUF model's own quantized blocks (Q4_0/Q4_1/Q8_0 served "
+                         "packed; float32 when --quantization re-quantizes), the checkpoint's "
+                         "dtype otherwise")
     quantization: str = setting("none", "weight-only quantization: none, int8 (per output "
                                 "channel) or int4 (group-wise, packed)")
     quant_group_size: int = setting(32, "INT4 group size: 32, 64 or 128; a layer whose input "

@@ -161,8 +161,8 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         max_num_seqs=cfg.max_num_seqs,
         tokenizer=tokenizer_info(checkpoint),
         device=str(runner.device),
-        dtype=cfg.dtype,
-        quantization=cfg.quantization,
+        dtype=runner.dtype_name,
+        quantization=runner.quant.mode,
         weight_bytes=runner.weight_bytes,
     )
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine_worker.engine import Engine
     from engine_worker.link import WorkerLink
-    from engine_worker.model.loader import resolve_checkpoint
+    from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
     from engine_worker.model_runner import ModelRunner
 
     if cfg.threads:
@@ -191,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     checkpoint = resolve_checkpoint(cfg.model, Path(cfg.cache_dir))
+    dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
     runner = ModelRunner(
         checkpoint,
-        dtype=getattr(torch, cfg.dtype),
+        dtype=getattr(torch, dtype),
+        gguf_path=gguf,
         device=cfg.device,
         kv_budget_bytes=cfg.kv_cache_mb * 2**20,
         block_size=cfg.block_size,

@@ -142,6 +142,15 @@ class Int4GroupLinear(nn.Module):
         zero = (lo + 8 * scale.float()).to(compute_dtype)
         s, z = scale.float()[..., None], zero.float()[..., None]  # the values stored, (N,K/G,1)
         q = torch.round((w - z) / s + 8).clamp(0, 15).view(n, k)  # (N, K) in 0..15
+        return cls.from_codes(q, scale, zero, group_size, bias, use_kernel=use_kernel)
+
+    @classmethod
+    def from_codes(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None = None, *, use_kernel: bool,
+    ) -> Int4GroupLinear:
+        """Adopt ready codes: q (N, K) in 0..15, scale and zero (N, K/G) in the compute dtype,
+        meaning w = (q - 8) * scale + zero. GGUF Q4_0/Q4_1 blocks map here with no rounding."""
         if use_kernel:
             packed = _INT4_PACK(q.to(torch.int32), 1)  # (N, K/2) uint8, tiled
         else:
@@ -248,11 +257,12 @@ def _quantize(
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, *, lm_head: bool = True,
-    compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
+    head_mode: str | None = None, compute_dtype: torch.dtype | None = None,
+    use_kernel: bool | None = None,
 ) -> QuantReport:
     """Swap the model's projections for quantized ones in place (after loading; init_rope
     already done). mode: none | int8 | int4. lm_head: quantize the head too (and, if tied, the
-    embedding to INT8). Returns what changed; logs it."""
+    embedding to INT8), in head_mode (default: mode). Returns what changed; logs it."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, not {mode!r}")
     if group_size not in GROUP_SIZES:
@@ -264,15 +274,17 @@ def quantize_model(
     kw = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
+    head_mode = head_mode or mode
     for name, mod in targets:
-        new = _quantize(mod.weight, mod.bias, name, mode, group_size, report, **kw)
+        m = head_mode if name == "lm_head" else mode
+        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, **kw)
         if new is not None:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, new)
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if lm_head and getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding):
-        head = _quantize(embed.weight, None, "lm_head", mode, group_size, report, **kw)
+        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, **kw)
         if head is not None:  # tied: the head gets its own quantized copy, the embedding INT8
             model.lm_head = head
             if isinstance(head, Int8Linear):  # same per-row quantization: share it
