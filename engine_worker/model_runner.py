@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             toks = runner.execute(items).argmax(-1)
         dt = time.perf_counter() - t0
         print(
-            f"{args.dtype}/{args.quantization} batch {b}: prefill {b}x{args.prompt} {prefill * 1e3:.0f} ms, decode "
+            f"{args.dtype}/{args.quantization} batch {b}: prefill {b}x{args.prompt} "
+            f"{prefill * 1e3:.0f} ms, decode "
             f"{dt / args.steps * 1e3:.1f} ms/step, {b * args.steps / dt:.1f} tok/s",
             flush=True,
         )
