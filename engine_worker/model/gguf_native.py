@@ -137,7 +137,9 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
         cd = compute_dtype if kernel else torch.float32
         s = torch.from_numpy(b.scale).to(device, cd)
         z = torch.from_numpy(b.zero).to(device, cd)
-        return Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
+        layer = Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
+        layer.keep_dense(dense_min_rows)
+        return layer
     if b.kind == "int8":
         return Int8GroupLinear(codes, torch.from_numpy(b.scale).to(device), use_kernel=use_kernel,
                                dense_min_rows=dense_min_rows)

@@ -108,3 +108,14 @@ def test_smollm2_native_equals_transformers_dequantized(smollm2_dir: Path) -> No
     del native
     b = _logits(load_model(smollm2_dir, torch.float32, "cpu"), PROMPT)
     torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-4)
+
+
+def test_int4_dense_copy_for_many_rows_matches_packed_kernel() -> None:
+    g = torch.Generator().manual_seed(0)
+    layer = Int4GroupLinear.from_float(torch.randn(64, 96, generator=g), group_size=32)
+    x = torch.randn(8, 96, generator=g)
+    packed = layer(x)
+    layer.keep_dense(4)
+    assert layer.dense is not None
+    torch.testing.assert_close(layer(x), packed, atol=0.05, rtol=0.02)  # 8 rows: dense copy
+    torch.testing.assert_close(layer(x[:2]), packed[:2], atol=0, rtol=0)  # 2 rows: packed
