@@ -138,7 +138,8 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
         s = torch.from_numpy(b.scale).to(device, cd)
         z = torch.from_numpy(b.zero).to(device, cd)
         layer = Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
-        layer.keep_dense(dense_min_rows)
+        if kernel and dense_min_rows:
+            layer.keep_dense(dense_min_rows, torch.from_numpy(dequant(b)).to(device))
         return layer
     if b.kind == "int8":
         return Int8GroupLinear(codes, torch.from_numpy(b.scale).to(device), use_kernel=use_kernel,
