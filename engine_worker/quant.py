@@ -139,7 +139,11 @@ class Int4GroupLinear(nn.Module):
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
         compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
+        clip_search: bool = False,
     ) -> Int4GroupLinear:
+        """Round-to-nearest over each group's [min, max]; with clip_search, each group also
+        tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared error
+        (an outlier then costs one clipped weight instead of a coarse step for all 32)."""
         n, k = weight.shape
         if k % group_size or k % 2:
             raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
@@ -150,12 +154,20 @@ class Int4GroupLinear(nn.Module):
             compute_dtype = _kernel_dtype(weight.device, weight.dtype) if use_kernel \
                 else weight.dtype
         w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
-        lo, hi = w.amin(-1), w.amax(-1)  # (N, K/G)
-        scale = ((hi - lo) / 15).clamp(min=1e-12).to(compute_dtype)
-        zero = (lo + 8 * scale.float()).to(compute_dtype)
-        s, z = scale.float()[..., None], zero.float()[..., None]  # the values stored, (N,K/G,1)
-        q = torch.round((w - z) / s + 8).clamp(0, 15).view(n, k)  # (N, K) in 0..15
-        return cls.from_codes(q, scale, zero, group_size, bias, use_kernel=use_kernel)
+        q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
+        if clip_search:  # per group, the clipped range with the least squared error
+            best = ((_dequant_groups(q, scale, zero) - w) ** 2).sum(-1)  # (N, K/G)
+            lo, hi = w.amin(-1), w.amax(-1)
+            # both ends shrunk, or only one (an outlier is usually on one side)
+            ranges = [(lo * a, hi * b) for c in CLIP_SHRINKS for a, b in ((c, c), (c, 1), (1, c))]
+            for lo2, hi2 in ranges:
+                q2, s2, z2 = _round_groups(w, lo2, hi2, compute_dtype)
+                err = ((_dequant_groups(q2, s2, z2) - w) ** 2).sum(-1)
+                better = err < best
+                best = torch.where(better, err, best)
+                q = torch.where(better[..., None], q2, q)
+                scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
+        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias, use_kernel=use_kernel)
 
     @classmethod
     def from_codes(
@@ -196,6 +208,24 @@ class Int4GroupLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
                 f"kernel={self.use_kernel}")
+
+
+CLIP_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _round_groups(
+    w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K/G, G) on the range [lo, hi] (N, K/G) -> codes (N, K/G, G) in 0..15, scale and
+    zero (N, K/G) in compute_dtype; codes are rounded against the stored (rounded) values."""
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(compute_dtype)
+    zero = (lo + 8 * scale.float()).to(compute_dtype)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    return torch.round((w - z) / s + 8).clamp(0, 15), scale, zero
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (q - 8) * scale.float()[..., None] + zero.float()[..., None]  # (N, K/G, G)
 
 
 class Int8Embedding(nn.Module):
@@ -266,7 +296,8 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    return Int4GroupLinear.from_float(w, b, group_size=g, **kw)  # type: ignore[arg-type]
+    return Int4GroupLinear.from_float(w, b, group_size=g, clip_search=True,
+                                      **kw)  # type: ignore[arg-type]
 
 
 @torch.no_grad()
@@ -286,7 +317,7 @@ def quantize_model(
     if mode == "none":
         report.bytes_after = report.bytes_before
         return report
-    kw = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
+    kw: dict[str, object] = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
     head_mode = head_mode or mode
