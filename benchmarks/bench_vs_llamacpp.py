@@ -75,7 +75,7 @@ def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int) -> d
             [sys.executable, "-m", "loadgen.cli", "run", "--base-url", url + "/v1",
              "--mode", "closed", "--concurrency", str(streams), "--num-requests", str(requests),
              "--prompt-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
-             "--tokenizer-json", str(tokenizer), "--seed", str(seed), "--warmup", "1",
+             "--tokenizer-json", str(tokenizer), "--seed", str(seed),
              "--no-progress", "--no-records", "--out", str(out)],
             cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         data = json.loads(out.read_text())
@@ -88,6 +88,7 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
         t0 = time.monotonic()
         wait_ready(url, proc)
         print(f"  {name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
+        load(url, 1, 1, tokenizer, seed + 7)  # warm-up, not counted
         one = load(url, 1, args.requests_1, tokenizer, seed)
         many = load(url, 16, args.requests_16, tokenizer, seed + 1)
     finally:

@@ -16,7 +16,11 @@ pytestmark = pytest.mark.smollm
 
 def test_default_gguf_served_natively_answers_paris(cache_dir: Path) -> None:
     with GatewayProc() as gw, WorkerProc("default", gw.engine_address, "--model-id", "smol",
-                                         "--cache-dir", str(cache_dir)) as wk:
+                                         "--cache-dir", str(cache_dir),
+                                         # one thread: many small packed-kernel calls a step
+                                         # each end in an OpenMP barrier, which a CPU shared
+                                         # with other test processes makes very slow
+                                         "--threads", "1") as wk:
         gw.wait_ready(timeout=180)
         model = httpx.get(gw.base_url + "/v1/models").json()["data"][0]
         # float32 SmolLM2 is 538 MB; packed blocks plus the bf16 copies for many rows less
