@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint,
         dtype=getattr(torch, dtype),
         gguf_path=gguf,
+        dense_min_rows=cfg.dense_min_rows,
         device=cfg.device,
         kv_budget_bytes=cfg.kv_cache_mb * 2**20,
         block_size=cfg.block_size,

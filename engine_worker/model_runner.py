@@ -26,9 +26,9 @@ from engine_worker.model.llama import AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
 from engine_worker.quant import QuantReport, quantize_model, weight_bytes
 
-# From this many rows a Q8_0 LM head runs a bfloat16 copy through oneDNN (one group-wise INT8
-# kernel call per 32 inputs re-reads the activations 18 times; measured ~4x slower at 16 rows).
-# Costs 2 bytes a weight on top of the INT8 table: 54 MiB for SmolLM2's 49152 x 576 head.
+# From this many rows GGUF-native layers run a bfloat16 copy through oneDNN: the packed INT4
+# kernel is 2-3x slower at 16 rows, the group-wise INT8 head (one kernel call per 32 inputs)
+# ~4x. Costs 2 bytes a weight on top of the packed blocks: ~230 MiB for SmolLM2 (head 54 MiB).
 DENSE_ROWS = 4
 
 
@@ -56,6 +56,7 @@ class ModelRunner:
         quantization: str = "none",
         group_size: int = 32,
         gguf_path: Path | None = None,
+        dense_min_rows: int = DENSE_ROWS,
     ) -> None:
         """gguf_path: serve that file's own quantized blocks (model_path then only supplies
         config.json); `dtype` is the activations' and KV cache's, `quantization` must be none."""
@@ -86,7 +87,8 @@ class ModelRunner:
             if quantization != "none" or dtype != torch.float32:
                 raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
             self.model = load_gguf_model(gguf_path, cfg, self.device,
-                                         max_positions=max_model_len, dense_min_rows=DENSE_ROWS)
+                                         max_positions=max_model_len,
+                                         dense_min_rows=dense_min_rows)
             self.quant = QuantReport("gguf", weight_bytes(self.model), weight_bytes(self.model))
         else:
             self.model = load_model(Path(model_path), dtype, self.device,
