@@ -48,7 +48,8 @@ def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess
 def start_ours(dtype: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": dtype,
            "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
-           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_MODEL": str(gguf) if gguf else "default"}
+           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
+           "KESTREL_MODEL": str(gguf) if gguf else "default"}
     return subprocess.Popen([sys.executable, "-m", "gateway.serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -76,7 +77,7 @@ def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int) -> d
              "--mode", "closed", "--concurrency", str(streams), "--num-requests", str(requests),
              "--prompt-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
              "--tokenizer-json", str(tokenizer), "--seed", str(seed),
-             "--no-progress", "--no-records", "--out", str(out)],
+             "--timeout", "600", "--no-progress", "--no-records", "--out", str(out)],
             cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         data = json.loads(out.read_text())
     return data.get("summary", data)
@@ -97,8 +98,11 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    row = {"itl_p50_1": one["itl"]["p50"], "tok_s_1": one["output_throughput"],
-           "tok_s_16": many["output_throughput"], "ttft_p50_1": one["ttft"]["p50"]}
+    nan = float("nan")  # a figure with no samples (every request failed) is null in the JSON
+    row = {"itl_p50_1": one["itl"]["p50"] or nan, "tok_s_1": one["output_throughput"] or nan,
+           "tok_s_16": many["output_throughput"] or nan, "ttft_p50_1": one["ttft"]["p50"] or nan,
+           "failed": float(one["num_requests"] - one["completed"]
+                           + many["num_requests"] - many["completed"])}
     print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     return row
 
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc = start_ours(name.rsplit(" ", 1)[1], args.gguf, port)
             results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
     rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
-            ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"))
+            ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),
+            ("failed requests", "failed"))
     print("\n| | " + " | ".join(servers) + " |")
     print("|---" * (len(servers) + 1) + "|")
     for label, key in rows:
