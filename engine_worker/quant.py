@@ -286,7 +286,8 @@ def _quantize(
 ) -> nn.Module | None:
     if mode == "int8":
         report.group_sizes[name] = 0
-        return Int8Linear.from_float(w, b, **kw)  # type: ignore[arg-type]
+        kw8 = {k: v for k, v in kw.items() if k != "clip_search"}  # an INT4-only option
+        return Int8Linear.from_float(w, b, **kw8)  # type: ignore[arg-type]
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -296,15 +297,14 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    return Int4GroupLinear.from_float(w, b, group_size=g, clip_search=True,
-                                      **kw)  # type: ignore[arg-type]
+    return Int4GroupLinear.from_float(w, b, group_size=g, **kw)  # type: ignore[arg-type]
 
 
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, *, lm_head: bool = True,
     head_mode: str | None = None, compute_dtype: torch.dtype | None = None,
-    use_kernel: bool | None = None,
+    use_kernel: bool | None = None, clip_search: bool = False,
 ) -> QuantReport:
     """Swap the model's projections for quantized ones in place (after loading; init_rope
     already done). mode: none | int8 | int4. lm_head: quantize the head too (and, if tied, the
@@ -318,6 +318,8 @@ def quantize_model(
         report.bytes_after = report.bytes_before
         return report
     kw: dict[str, object] = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
+    if mode == "int4":  # off by default: 19 passes over the weights made a loaded 2-core
+        kw["clip_search"] = clip_search  # host's INT4 worker start exceed 3 minutes
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
     head_mode = head_mode or mode
