@@ -93,11 +93,12 @@ class ModelRunner:
         else:
             self.model = load_model(Path(model_path), dtype, self.device,
                                     max_positions=max_model_len)
-            # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4 takes the
-            # (tied) LM head to INT8 (head_mode): round-to-nearest INT4 on the head turns
-            # SmolLM2's "The capital of France is Paris." into "L'Étoile, ..." (tests/e2e).
+            # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4 keeps the
+            # (tied) LM head in float: with INT4 layers, an INT4 head and also a per-channel
+            # INT8 head (tried) turn SmolLM2's "The capital of France is Paris." into
+            # "L'Étoile, ..." (tests/e2e). The GGUF-native path's head is the file's Q8_0.
             self.quant = quantize_model(self.model, quantization, group_size,
-                                        head_mode="int8" if quantization == "int4" else None)
+                                        lm_head=quantization != "int4")
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
