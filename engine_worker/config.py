@@ -9,7 +9,7 @@ from engine_worker.memory_budget import parse_kv_memory
 from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
@@ -32,11 +32,17 @@ class WorkerConfig:
                             "GGUF file's name)", flags=("--served-model-name",), repeat="extend")
     cache_dir: str = setting(default_cache_dir(), "where converted checkpoints are kept")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1 ...")
-    dtype: str = setting("float32", "weights and activations dtype: " + ", ".join(DTYPES))
+    dtype: str = setting("auto", "weights and activations dtype: " + ", ".join(DTYPES) +
+                         "; auto = a GGUF model's own quantized blocks (Q4_0/Q4_1/Q8_0 served "
+                         "packed; float32 when --quantization re-quantizes), the checkpoint's "
+                         "dtype otherwise")
     quantization: str = setting("none", "weight-only quantization: none, int8 (per output "
                                 "channel) or int4 (group-wise, packed)")
     quant_group_size: int = setting(32, "INT4 group size: 32, 64 or 128; a layer whose input "
                                     "width it does not divide uses the largest that does")
+    dense_min_rows: int = setting(4, "GGUF-native weights: from this many rows a step computes "
+                                  "with a bfloat16 copy of each layer (~230 MiB more for "
+                                  "SmolLM2, faster batches); 0 keeps only the packed blocks")
     kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
     kv_cache_memory: str = setting("", "KV cache budget, overriding kv_cache_mb: bytes "
                                    "(2147483648, 2GiB, 512MB) or a fraction in (0, 1) of the "
@@ -92,8 +98,8 @@ class WorkerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, or some decoding "
                              "sequences would never get a token")
         parse_kv_memory(self.kv_cache_memory)  # raises ValueError on a bad spelling
-        if self.max_model_len < 0 or self.threads < 0:
-            raise ValueError("max_model_len and threads must be >= 0")
+        if self.max_model_len < 0 or self.threads < 0 or self.dense_min_rows < 0:
+            raise ValueError("max_model_len, threads and dense_min_rows must be >= 0")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
         if bool(self.link_secret_key) != bool(self.link_gateway_key):

@@ -161,8 +161,8 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         max_num_seqs=cfg.max_num_seqs,
         tokenizer=info,
         device=str(runner.device),
-        dtype=cfg.dtype,
-        quantization=cfg.quantization,
+        dtype=runner.dtype_name,
+        quantization=runner.quant.mode,
         weight_bytes=runner.weight_bytes,
         aliases=list(names[1:]),
         block_size=runner.block_size,
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine_worker.engine import Engine
-    from engine_worker.model.loader import resolve_checkpoint
+    from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
     from engine_worker.model_runner import ModelRunner
 
     if cfg.threads:
@@ -206,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     checkpoint = resolve_checkpoint(cfg.model, Path(cfg.cache_dir))
+    dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
     runner = ModelRunner(
         checkpoint,
-        dtype=getattr(torch, cfg.dtype),
+        dtype=getattr(torch, dtype),
+        gguf_path=gguf,
+        dense_min_rows=cfg.dense_min_rows,
         device=cfg.device,
         kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
         block_size=cfg.block_size,

@@ -22,9 +22,15 @@ from pathlib import Path
 import torch
 
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
+from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
 from engine_worker.quant import QuantReport, quantize_model, weight_bytes
+
+# From this many rows GGUF-native layers run a bfloat16 copy through oneDNN: the packed INT4
+# kernel is 2-3x slower at 16 rows, the group-wise INT8 head (one kernel call per 32 inputs)
+# ~4x. Costs 2 bytes a weight on top of the packed blocks: ~230 MiB for SmolLM2 (head 54 MiB).
+DENSE_ROWS = 4
 
 
 @dataclass
@@ -52,12 +58,17 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: str = "none",
         group_size: int = 32,
+        gguf_path: Path | None = None,
+        dense_min_rows: int = DENSE_ROWS,
     ) -> None:
+        """gguf_path: serve that file's own quantized blocks (model_path then only supplies
+        config.json); `dtype` is the activations' and KV cache's, `quantization` must be none."""
         if num_threads is not None:
             # Process-wide by nature; torch's default (one per physical core) is usually right.
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
         cfg = load_config(Path(model_path))
         num_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
         if num_blocks == 0:
@@ -75,12 +86,22 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = load_model(Path(model_path), dtype, self.device, max_positions=max_model_len)
-        # Weight-only INT8/INT4 module swaps (engine_worker/quant.py); "none" changes nothing.
-        # INT4 keeps the (tied) LM head in float: round-to-nearest INT4 on the head turns
-        # SmolLM2's "The capital of France is Paris." into "L'Étoile, ..." (tests/e2e).
-        self.quant: QuantReport = quantize_model(self.model, quantization, group_size,
-                                                 lm_head=quantization != "int4")
+        if gguf_path is not None:
+            if quantization != "none" or dtype != torch.float32:
+                raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
+            self.model = load_gguf_model(gguf_path, cfg, self.device,
+                                         max_positions=max_model_len,
+                                         dense_min_rows=dense_min_rows)
+            self.quant = QuantReport("gguf", weight_bytes(self.model), weight_bytes(self.model))
+        else:
+            self.model = load_model(Path(model_path), dtype, self.device,
+                                    max_positions=max_model_len)
+            # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4 keeps the
+            # (tied) LM head in float: with INT4 layers, an INT4 head and also a per-channel
+            # INT8 head (tried) turn SmolLM2's "The capital of France is Paris." into
+            # "L'Étoile, ..." (tests/e2e). The GGUF-native path's head is the file's Q8_0.
+            self.quant = quantize_model(self.model, quantization, group_size,
+                                        lm_head=quantization != "int4")
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     import os
     import time
 
-    from engine_worker.model.loader import resolve_checkpoint
+    from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
 
     ap = argparse.ArgumentParser(allow_abbrev=False,
                                  description="Greedy decode throughput through execute().")
@@ -219,15 +240,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     path = resolve_checkpoint(args.model, cache)
+    dtype, gguf = resolve_dtype(args.dtype, args.model, args.quantization, path)
     runner = ModelRunner(
         path,
-        dtype=getattr(torch, args.dtype),
+        dtype=getattr(torch, dtype),
+        gguf_path=gguf,
+        quantization=args.quantization,
         device=args.device,
         kv_budget_bytes=1 << 30,
         num_threads=args.threads,
@@ -246,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             toks = runner.execute(items).argmax(-1)
         dt = time.perf_counter() - t0
         print(
-            f"{args.dtype} batch {b}: prefill {b}x{args.prompt} {prefill * 1e3:.0f} ms, decode "
+            f"{args.dtype}/{args.quantization} batch {b}: prefill {b}x{args.prompt} "
+            f"{prefill * 1e3:.0f} ms, decode "
             f"{dt / args.steps * 1e3:.1f} ms/step, {b * args.steps / dt:.1f} tok/s",
             flush=True,
         )

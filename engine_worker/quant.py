@@ -121,12 +121,29 @@ class Int4GroupLinear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) compute dtype
         self.register_buffer("bias", bias)
         self.use_kernel = use_kernel
+        self.dense_min_rows = 0
+        self.register_buffer("dense", None)  # (N, K) bfloat16 copy for many rows, if kept
+
+    def keep_dense(self, min_rows: int, weight: torch.Tensor | None = None) -> None:
+        """From `min_rows` rows up, compute with a bfloat16 copy of the weights through oneDNN:
+        the packed INT4 kernel is 2-3x slower than it at 16 rows (measured, SmolLM2 shapes),
+        faster at one. Costs 2 bytes a weight on top of the packed half byte."""
+        if self.use_kernel and min_rows > 0:
+            self.dense_min_rows = min_rows
+            # `weight` (N, K), when the caller has it, spares reading the tiled bytes back
+            # through the float32 kernel (seconds per layer)
+            w = self.dequantize(torch.float32) if weight is None else weight
+            self.dense = w.to(torch.bfloat16)
 
     @classmethod
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
         compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
+        clip_search: bool = False,
     ) -> Int4GroupLinear:
+        """Round-to-nearest over each group's [min, max]; with clip_search, each group also
+        tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared error
+        (an outlier then costs one clipped weight instead of a coarse step for all 32)."""
         n, k = weight.shape
         if k % group_size or k % 2:
             raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
@@ -137,11 +154,28 @@ class Int4GroupLinear(nn.Module):
             compute_dtype = _kernel_dtype(weight.device, weight.dtype) if use_kernel \
                 else weight.dtype
         w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
-        lo, hi = w.amin(-1), w.amax(-1)  # (N, K/G)
-        scale = ((hi - lo) / 15).clamp(min=1e-12).to(compute_dtype)
-        zero = (lo + 8 * scale.float()).to(compute_dtype)
-        s, z = scale.float()[..., None], zero.float()[..., None]  # the values stored, (N,K/G,1)
-        q = torch.round((w - z) / s + 8).clamp(0, 15).view(n, k)  # (N, K) in 0..15
+        q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
+        if clip_search:  # per group, the clipped range with the least squared error
+            best = ((_dequant_groups(q, scale, zero) - w) ** 2).sum(-1)  # (N, K/G)
+            lo, hi = w.amin(-1), w.amax(-1)
+            # both ends shrunk, or only one (an outlier is usually on one side)
+            ranges = [(lo * a, hi * b) for c in CLIP_SHRINKS for a, b in ((c, c), (c, 1), (1, c))]
+            for lo2, hi2 in ranges:
+                q2, s2, z2 = _round_groups(w, lo2, hi2, compute_dtype)
+                err = ((_dequant_groups(q2, s2, z2) - w) ** 2).sum(-1)
+                better = err < best
+                best = torch.where(better, err, best)
+                q = torch.where(better[..., None], q2, q)
+                scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
+        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias, use_kernel=use_kernel)
+
+    @classmethod
+    def from_codes(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None = None, *, use_kernel: bool,
+    ) -> Int4GroupLinear:
+        """Adopt ready codes: q (N, K) in 0..15, scale and zero (N, K/G) in the compute dtype,
+        meaning w = (q - 8) * scale + zero. GGUF Q4_0/Q4_1 blocks map here with no rounding."""
         if use_kernel:
             packed = _INT4_PACK(q.to(torch.int32), 1)  # (N, K/2) uint8, tiled
         else:
@@ -162,7 +196,9 @@ class Int4GroupLinear(nn.Module):
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
+        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+        elif self.use_kernel:
             xc = x.to(self.scales_zeros.dtype)
             y = _INT4_MM(xc, self.qweight, self.group_size, self.scales_zeros).to(x.dtype)
         else:
@@ -172,6 +208,24 @@ class Int4GroupLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
                 f"kernel={self.use_kernel}")
+
+
+CLIP_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _round_groups(
+    w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K/G, G) on the range [lo, hi] (N, K/G) -> codes (N, K/G, G) in 0..15, scale and
+    zero (N, K/G) in compute_dtype; codes are rounded against the stored (rounded) values."""
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(compute_dtype)
+    zero = (lo + 8 * scale.float()).to(compute_dtype)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    return torch.round((w - z) / s + 8).clamp(0, 15), scale, zero
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (q - 8) * scale.float()[..., None] + zero.float()[..., None]  # (N, K/G, G)
 
 
 class Int8Embedding(nn.Module):
@@ -232,7 +286,8 @@ def _quantize(
 ) -> nn.Module | None:
     if mode == "int8":
         report.group_sizes[name] = 0
-        return Int8Linear.from_float(w, b, **kw)  # type: ignore[arg-type]
+        kw8 = {k: v for k, v in kw.items() if k != "clip_search"}  # an INT4-only option
+        return Int8Linear.from_float(w, b, **kw8)  # type: ignore[arg-type]
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -248,11 +303,12 @@ def _quantize(
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, *, lm_head: bool = True,
-    compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
+    head_mode: str | None = None, compute_dtype: torch.dtype | None = None,
+    use_kernel: bool | None = None, clip_search: bool = False,
 ) -> QuantReport:
     """Swap the model's projections for quantized ones in place (after loading; init_rope
     already done). mode: none | int8 | int4. lm_head: quantize the head too (and, if tied, the
-    embedding to INT8). Returns what changed; logs it."""
+    embedding to INT8), in head_mode (default: mode). Returns what changed; logs it."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, not {mode!r}")
     if group_size not in GROUP_SIZES:
@@ -261,18 +317,22 @@ def quantize_model(
     if mode == "none":
         report.bytes_after = report.bytes_before
         return report
-    kw = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
+    kw: dict[str, object] = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
+    if mode == "int4":  # off by default: 19 passes over the weights made a loaded 2-core
+        kw["clip_search"] = clip_search  # host's INT4 worker start exceed 3 minutes
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
+    head_mode = head_mode or mode
     for name, mod in targets:
-        new = _quantize(mod.weight, mod.bias, name, mode, group_size, report, **kw)
+        m = head_mode if name == "lm_head" else mode
+        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, **kw)
         if new is not None:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, new)
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if lm_head and getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding):
-        head = _quantize(embed.weight, None, "lm_head", mode, group_size, report, **kw)
+        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, **kw)
         if head is not None:  # tied: the head gets its own quantized copy, the embedding INT8
             model.lm_head = head
             if isinstance(head, Int8Linear):  # same per-row quantization: share it

@@ -285,10 +285,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
 
-    def init_rope(self, max_positions: int) -> None:
+    def init_rope(
+        self, max_positions: int, device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Precompute cos and signed sin tables (max_positions, 1, D) in the model dtype, on the
-        weights' device: a step then only indexes them by position."""
-        w = self.model.embed_tokens.weight
+        weights' device (or the ones given, for an embedding with no float weight): a step then
+        only indexes them by position."""
+        w = self.model.embed_tokens.weight if device is None or dtype is None else \
+            torch.empty(0, device=device, dtype=dtype)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, rope_inv_freq(self.config))  # (P, D/2)
         cos, sin = freqs.cos(), freqs.sin()

@@ -76,6 +76,32 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Path:
     )
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind `model` ("default"/"smollm2" or a .gguf path), None for a folder."""
+    if model.lower() in DEFAULT_NAMES:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_dtype(
+    dtype: str, model: str, quantization: str, checkpoint: Path
+) -> tuple[str, Path | None]:
+    """The worker's --dtype setting -> (activation/KV dtype name, GGUF file to serve natively).
+    auto: a GGUF model's own blocks (float32 activations) unless --quantization asks to
+    re-quantize float weights; for a folder, its config's dtype (float32 if none)."""
+    if dtype == "half":
+        return "float16", None
+    if dtype != "auto":
+        return dtype, None
+    gguf = gguf_source(model)
+    if gguf is not None and quantization == "none":
+        return "float32", gguf
+    cfg = _read_json(Path(checkpoint) / "config.json")
+    named = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return (named if named in ("float32", "bfloat16", "float16") else "float32"), None
+
+
 def _converted(gguf: Path, cache_dir: Path) -> Path:
     gguf = gguf.resolve()
     key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]

@@ -1,0 +1,159 @@
+"""llama.cpp's llama-server against ours, same GGUF, same streaming load, alternating in one run.
+
+    python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
+        [--ours auto,float32] [--requests-1 4] [--requests-16 32]
+
+Data flow: for each round, for each server (llama-server if a binary is given, then ours with
+each --dtype in --ours; the order flips every round so neither always runs on a warmer machine):
+start it on loopback, wait until ready, run `kestrel-loadgen run` in closed loop at 1 and at 16
+streams (unique synthetic ~200-token prompts cut with SmolLM2's tokenizer, 128 new tokens,
+ignore_eos, completions API), stop it. Then print the table of the issue: ITL p50 at 1 stream,
+output tok/s at 1 and 16 streams, TTFT p50 at 1 stream (the median over rounds of each figure).
+Without --llama-server its column is skipped, with a message saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, OUTPUT = 200, 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess.Popen[bytes]:
+    ctx = 16 * (PROMPT + OUTPUT + 64)  # -np 16 splits the context between the slots
+    return subprocess.Popen(
+        [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "16", "-c", str(ctx),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_ours(dtype: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": dtype,
+           "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
+           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
+           "KESTREL_MODEL": str(gguf) if gguf else "default"}
+    return subprocess.Popen([sys.executable, "-m", "gateway.serve"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        for path in ("/health/ready", "/health"):
+            try:
+                if httpx.get(url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        subprocess.run(
+            [sys.executable, "-m", "loadgen.cli", "run", "--base-url", url + "/v1",
+             "--mode", "closed", "--concurrency", str(streams), "--num-requests", str(requests),
+             "--prompt-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
+             "--tokenizer-json", str(tokenizer), "--seed", str(seed),
+             "--timeout", "600", "--no-progress", "--no-records", "--out", str(out)],
+            cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        data = json.loads(out.read_text())
+    return data.get("summary", data)
+
+
+def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.Namespace,
+            tokenizer: Path, seed: int) -> dict[str, float]:
+    try:
+        t0 = time.monotonic()
+        wait_ready(url, proc)
+        print(f"  {name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
+        load(url, 1, 1, tokenizer, seed + 7)  # warm-up, not counted
+        one = load(url, 1, args.requests_1, tokenizer, seed)
+        many = load(url, 16, args.requests_16, tokenizer, seed + 1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    nan = float("nan")  # a figure with no samples (every request failed) is null in the JSON
+    row = {"itl_p50_1": one["itl"]["p50"] or nan, "tok_s_1": one["output_throughput"] or nan,
+           "tok_s_16": many["output_throughput"] or nan, "ttft_p50_1": one["ttft"]["p50"] or nan,
+           "failed": float(one["num_requests"] - one["completed"]
+                           + many["num_requests"] - many["completed"])}
+    print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--ours", default="auto,float32", help="our --dtype values to run")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    ap.add_argument("--requests-1", type=int, default=4)
+    ap.add_argument("--requests-16", type=int, default=32)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
+
+    gguf = args.gguf or embedded_gguf_path()
+    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
+    servers: list[str] = [f"ours --dtype {d}" for d in args.ours.split(",") if d]
+    if args.llama_server is None:
+        print("llama-server: skipped (no --llama-server PATH given)", flush=True)
+    elif not args.llama_server.is_file():
+        print(f"llama-server: skipped ({args.llama_server} is not a file)", flush=True)
+    else:
+        servers.insert(0, "llama-server")
+    results: dict[str, list[dict[str, float]]] = {s: [] for s in servers}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", flush=True)
+        for name in (servers if r % 2 == 0 else servers[::-1]):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            if name == "llama-server":
+                proc = start_llama(args.llama_server, gguf, args.threads, port)
+            else:
+                proc = start_ours(name.rsplit(" ", 1)[1], args.gguf, port)
+            results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
+    rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
+            ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),
+            ("failed requests", "failed"))
+    print("\n| | " + " | ".join(servers) + " |")
+    print("|---" * (len(servers) + 1) + "|")
+    for label, key in rows:
+        cells = [f"{statistics.median(x[key] for x in results[s]):.1f}" for s in servers]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print(f"\n{gguf.name}, prompts {PROMPT} tokens (unique), {OUTPUT} new tokens, ignore_eos, "
+          f"closed loop; {args.requests_1} requests at 1 stream, {args.requests_16} at 16; "
+          f"median of {args.rounds} round(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""INT8 with one scale per group of 32 inputs (GGUF's Q8_0): a linear layer and an embedding.
+
+Data flow: a Q8_0 tensor (N rows of K/32 blocks: fp16 scale d, 32 int8 codes q; w = d * q) ->
+`Int8GroupLinear(codes (N, K) int8, scales (N, K/32))` -> forward `x (M, K) -> (M, N)`. A tied
+embedding (`Int8GroupEmbedding`) reads the same buffers, so the LM head and the embedding of
+SmolLM2 share one INT8 copy (28 MiB instead of 113 MiB of float32).
+
+Codes are stored group-major, (G, N, 32): each group's codes are one contiguous (N, 32) matrix,
+which is what torch's per-channel INT8 kernel (`_weight_int8pack_mm`) takes. Kernels by rows:
+  - few rows (decode, <= `dense_min_rows` - 1): one `_weight_int8pack_mm` per group with that
+    group's scales as the per-channel scales, partial sums added in float32. Exact in the codes;
+    reads 1 byte a weight.
+  - many rows: a dense bfloat16 copy (2 bytes a weight, kept only when `dense_min_rows` is set)
+    through oneDNN: per group the kernel above re-reads x, so at 16 rows it is ~4x slower.
+  - fallback (other devices, float32 exact mode): dequantize, then F.linear.
+Scales are kept in float32 (fp16 -> float32 is exact), plus a bfloat16 copy for the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
+GROUP = 32
+
+
+class Int8GroupLinear(nn.Module):
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, *, use_kernel: bool | None = None,
+        dense_min_rows: int = 0,
+    ) -> None:
+        """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
+        dense_min_rows > 0 keeps a bfloat16 copy used from that many rows up (kernel mode)."""
+        super().__init__()
+        n, k = codes.shape
+        if k % GROUP or scales.shape != (n, k // GROUP):
+            raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
+                             f"do not form groups of {GROUP}")
+        if use_kernel is None:
+            use_kernel = _INT8_MM is not None and codes.device.type == "cpu"
+        self.out_features, self.in_features, self.groups = n, k, k // GROUP
+        self.use_kernel = use_kernel
+        g_codes = codes.view(n, self.groups, GROUP).transpose(0, 1).contiguous()  # (G, N, 32)
+        self.register_buffer("codes", g_codes)
+        self.register_buffer("scales", scales.float().t().contiguous())  # (G, N) float32
+        self.register_buffer("scales_bf16", self.scales.to(torch.bfloat16) if use_kernel else None)
+        self.dense_min_rows = dense_min_rows if use_kernel else 0
+        self.register_buffer(
+            "dense", self.dequantize(torch.bfloat16) if self.dense_min_rows else None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, K) weights: codes times their group's float32 scale, then cast."""
+        w = self.codes.float() * self.scales[..., None]  # (G, N, 32)
+        return w.transpose(0, 1).reshape(self.out_features, self.in_features).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (n,) of the dequantized matrix: (n, K), for an embedding lookup."""
+        c = self.codes.index_select(1, ids).float()  # (G, n, 32)
+        s = self.scales.index_select(1, ids)[..., None]  # (G, n, 1)
+        return (c * s).transpose(0, 1).reshape(ids.shape[0], self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if not self.use_kernel:
+            return F.linear(x, self.dequantize(x.dtype))
+        if self.dense is not None and m >= self.dense_min_rows:
+            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+        xg = x.to(torch.bfloat16).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
+        acc = torch.zeros(m, self.out_features, dtype=torch.float32, device=x.device)  # (M, N)
+        for g in range(self.groups):  # (M, 32) @ (32, N) per group, scaled per output channel
+            acc += _INT8_MM(xg[g], self.codes[g], self.scales_bf16[g])  # type: ignore[misc]
+        return acc.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, group={GROUP}, "
+                f"kernel={self.use_kernel}, dense_min_rows={self.dense_min_rows}")
+
+
+class Int8GroupEmbedding(nn.Module):
+    """An embedding that reads an Int8GroupLinear's rows (a tied LM head). No `weight`
+    attribute on purpose: code that reads `embed_tokens.weight` must fail loudly."""
+
+    def __init__(self, table: Int8GroupLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.dtype)  # (N, C)

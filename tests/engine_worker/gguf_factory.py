@@ -1,0 +1,75 @@
+"""Write a Llama checkpoint folder's weights as a GGUF file the way llama.cpp's converter does:
+GGUF names, q/k rows permuted for its RoPE, 2-D weights quantized (gguf's own numpy quantizer),
+norms in F32. `reference_state` gives the float32 weights such a file stands for (gguf's own
+dequantizer, HF names and row order): what a dequantize-then-float32 load computes with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `permute`: HF rows -> GGUF rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf.split(".", 3)  # model.layers.I.<module>.weight
+    module = rest.rsplit(".", 1)[0]
+    return f"blk.{i}.{_NAMES[module]}.weight"
+
+
+def write_gguf(folder: Path, out: Path, layer_type: gguf.GGMLQuantizationType,
+               embed_type: gguf.GGMLQuantizationType, heads: int, kv_heads: int) -> Path:
+    """folder's model.safetensors -> out (a GGUF with only tensors and the architecture)."""
+    state = load_file(str(folder / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for name, t in state.items():
+        w = t.float().numpy()
+        if name.endswith("q_proj.weight"):
+            w = _permute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _permute(w, kv_heads)
+        if w.ndim == 1:
+            writer.add_tensor(_gguf_name(name), w.astype(np.float32))
+            continue
+        qtype = embed_type if "embed_tokens" in name else layer_type
+        writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def reference_state(folder: Path, layer_type: gguf.GGMLQuantizationType,
+                    embed_type: gguf.GGMLQuantizationType) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights after gguf's quantize -> dequantize (row order is irrelevant:
+    every block lies within one row, so the permutation commutes with it)."""
+    out = {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        w = t.float().numpy()
+        if w.ndim == 2:
+            qtype = embed_type if "embed_tokens" in name else layer_type
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+        out[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return out
