@@ -15,6 +15,9 @@ prefill chunk. Attention reads earlier tokens from the paged KV cache by gatheri
 (`index_select` over a (num_blocks, block_size, Hkv, D) view), which moves block_size rows at once;
 when one sequence's blocks are consecutive the runner passes their first slot instead, and the
 read is a free view (the gather is a cold-memory copy: ~40 us per layer and tensor, measured).
+On CPU the decodes' SDPA takes the G = H / Hkv query heads of one KV head as G query rows
+((B, Hkv, G, D) against (B, Hkv, T, D)), so K and V are read once per KV head instead of being
+expanded to H heads by `enable_gqa`; CUDA keeps `enable_gqa` (its fused kernels do GQA natively).
 
 Weights keep Hugging Face names except two fusions done by the loader: q/k/v -> `qkv_proj`,
 gate/up -> `gate_up_proj`, so each is one matmul. Compute stays in the weights' dtype (RMSNorm
