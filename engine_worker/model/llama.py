@@ -16,8 +16,9 @@ prefill chunk. Attention reads earlier tokens from the paged KV cache by gatheri
 when one sequence's blocks are consecutive the runner passes their first slot instead, and the
 read is a free view (the gather is a cold-memory copy: ~40 us per layer and tensor, measured).
 On CPU the decodes' SDPA takes the G = H / Hkv query heads of one KV head as G query rows
-((B, Hkv, G, D) against (B, Hkv, T, D)), so K and V are read once per KV head instead of being
-expanded to H heads by `enable_gqa`; CUDA keeps `enable_gqa` (its fused kernels do GQA natively).
+((B, Hkv, G, D) against (B, Hkv, T, D)), so one pass over a KV head's K and V serves all G rows;
+with `enable_gqa` the CPU flash kernel runs each query head (one row) over them separately, G
+reads of the same K/V. CUDA keeps `enable_gqa` (not measured there).
 
 Weights keep Hugging Face names except two fusions done by the loader: q/k/v -> `qkv_proj`,
 gate/up -> `gate_up_proj`, so each is one matmul. Compute stays in the weights' dtype (RMSNorm
@@ -192,7 +193,7 @@ class Attention(nn.Module):
             kd, vd = self._context(k_cache, v_cache, meta.decode_blocks, bs, b, meta.decode_ctx)
             if self.grouped_decode and kd.device.type == "cpu":
                 outs.append(self._decode_grouped(q[:b], kd, vd, meta.decode_mask))
-            else:  # CUDA's fused kernels take GQA natively; not measured grouped there
+            else:  # CUDA: enable_gqa kept, the grouped form was not measured there
                 out = F.scaled_dot_product_attention(  # (B, H, 1, D)
                     q[:b].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
                 )
@@ -222,9 +223,9 @@ class Attention(nn.Module):
         """Decode attention with the G = H / Hkv query heads of one KV head as G query rows.
 
         Query head i uses KV head i // G (the order `enable_gqa` and Hugging Face's repeat_kv
-        use), so viewing H as (Hkv, G) pairs each group with its KV head. The CPU math path of
-        `enable_gqa` expands K and V to H heads (a copy per query head); here each KV head's K
-        and V are read once, for all G rows together.
+        use), so viewing H as (Hkv, G) pairs each group with its KV head. With `enable_gqa` the
+        CPU flash kernel (no copy; profiled) walks each query head's single row over its KV
+        head's K and V, so each is read G times; here one pass serves the G rows together.
         """
         b, h, d = q.shape
         qg = q.view(b, self.hkv, h // self.hkv, d)  # (B, Hkv, G, D): a view, H splits cleanly
