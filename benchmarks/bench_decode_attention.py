@@ -5,6 +5,9 @@ scattered (non-consecutive) blocks, so every decode reads its context through th
 gather; then decode steps of all B sequences alternate between the two attention paths (same
 runner, same cache, interleaved rounds, so machine load hits both alike) and the median and
 minimum ms per step are printed. `--profile` prints torch.profiler's top ops of one step.
+Then one layer's decode attention alone (gather + SDPA, the model's head sizes, the same
+scattered tables) is timed both ways, interleaved: the part this change touches, without the
+matmuls whose noise swamps it on a shared machine.
 
     python -m benchmarks.bench_decode_attention --model ~/.cache/kestrel/<smollm2 dir> --batch 1 16
 """
@@ -62,6 +65,29 @@ def bench(runner: ModelRunner, batch: int, ctx: int, rounds: int, steps: int,
                                     for q, it in zip(pos, items, strict=True)])
                 print(f"--- grouped={grouped}")
                 print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    attn = runner.model.model.layers[0].self_attn
+    k_cache, v_cache = runner.kv_cache.k[0], runner.kv_cache.v[0]
+    ctx_t = torch.tensor(pos)
+    t_max = int(ctx_t.max())
+    blocks = torch.tensor([blk for it in items for blk in it.block_table[: -(-t_max // bs)]])
+    q = torch.randn(batch, attn.h, attn.d, generator=g)  # (B, H, D)
+    mask = (torch.arange(t_max) < ctx_t[:, None]).view(batch, 1, 1, t_max)  # (B, 1, 1, T)
+    us: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(15):
+            for grouped in (False, True):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    kd, vd = attn._context(k_cache, v_cache, blocks, bs, batch, t_max)
+                    if grouped:
+                        attn._decode_grouped(q, kd, vd, mask)
+                    else:
+                        torch.nn.functional.scaled_dot_product_attention(
+                            q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
+                us[grouped].append((time.perf_counter() - t0) / 20 * 1e6)
+    for grouped, name in ((False, "enable_gqa"), (True, "grouped")):
+        print(f"batch {batch:2d} one layer's decode attention {name:10s}: median "
+              f"{statistics.median(us[grouped]):6.0f} us, min {min(us[grouped]):6.0f}")
     for grouped, name in ((False, "enable_gqa"), (True, "grouped")):
         t = times[grouped]
         print(f"batch {batch:2d} ctx ~{ctx} {name:10s}: median {statistics.median(t):6.2f} "
