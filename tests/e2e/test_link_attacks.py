@@ -32,6 +32,8 @@ def complete(gw: GatewayProc, **body: object) -> httpx.Response:
 def test_a_slow_tokenizer_hello_does_not_stall_heartbeats_or_requests(
         tiny_server: tuple[GatewayProc, WorkerProc], tiny_model_dir: Path) -> None:
     gw, _ = tiny_server
+    real = [w["id"] for w in httpx.get(gw.base_url + "/health", timeout=5).json()["workers"]]
+    assert real
     slow = tiny_hello(tiny_model_dir, model_id="slow-template")
     slow = dataclasses.replace(slow, tokenizer=dataclasses.replace(
         slow.tokenizer, chat_template=SLOW_TEMPLATE))
@@ -46,7 +48,11 @@ def test_a_slow_tokenizer_hello_does_not_stall_heartbeats_or_requests(
         assert isinstance(welcome, m.Welcome) and welcome.accepted
     finally:
         fake.close()
-    assert "dropped (silent" not in gw.output()
+    # The fake itself sends no heartbeats once welcomed and may rightly be dropped for silence
+    # (on a quiet machine its template compiles well inside the loop above); the real worker
+    # must never be.
+    for name in real:
+        assert f"worker {name} dropped" not in gw.output()
 
 
 def test_a_frame_over_the_size_limit_drops_the_connection_before_it_is_read(
