@@ -12,8 +12,9 @@ mask allows at least one token (a matcher in an error state, which the mask make
 allows only EOS, so the sequence ends instead of sampling from an all -inf row). When the grammar
 is complete the matcher allows only EOS, and the scheduler's EOS check ends the sequence with
 "stop". Preemption recomputes the KV cache but keeps the output tokens, so matchers need no rollback
-there; a speculative verifier must roll back (`GrammarMatcher.rollback`) exactly the draft tokens
-it advanced but did not accept.
+there. Constrained requests do not speculate today (engine.add turns it off for them); a future
+verifier that checks drafts against the grammar must roll back (`GrammarMatcher.rollback`)
+exactly the draft tokens it advanced but did not accept.
 
 llguidance computes each row's mask in Rust (~7 us median for SmolLM2's 49k vocabulary under a
 JSON schema), row after row in the engine's own thread. Its parallel LLExecutor was slower here:

@@ -106,10 +106,9 @@ class WorkerLoop:
             self._send_all(self.engine.abort_choice(msg.request_id, msg.index))
         elif isinstance(msg, m.Cancel):
             self._send_all(self.engine.abort(msg.request_id, "abort"))
-            if msg.request_id not in self.engine.requests:
-                # Ended before (or by) this Cancel: its end was logged already, or it never
-                # existed here; either way nothing will pop the arrival time now.
-                self.link.cancel_arrivals.pop(msg.request_id, None)
+            # The request has ended (its end, if it had one here, was logged by the line above
+            # and took the arrival time with it): nothing else will pop it now.
+            self.link.cancel_arrivals.pop(msg.request_id, None)
         elif isinstance(msg, m.Reset):
             for rid in list(self.engine.requests):
                 self._send_all(self.engine.abort(rid, "abort"))
@@ -233,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
         "kv_capacity_tokens": hello.kv_capacity_tokens, "max_model_len": hello.max_model_len,
         "worker_id": hello.worker_id}})
+    return serve(cfg, engine, hello, stop)
+
+
+def serve(cfg: Any, engine: Any, hello: m.Hello, stop: threading.Event) -> int:
+    """Join the gateway and run the engine loop until it returns; the worker's exit status.
+    `cfg` and `engine` are the real or the simulated worker's (same link fields, same engine
+    interface)."""
     link = open_link(cfg, hello)
     link.start()
     loop = WorkerLoop(cfg, engine, link, stop)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_worker.main import WorkerLoop, open_link
+from engine_worker.main import serve
 from engine_worker.sim_engine import CostModel, SimEngine
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
@@ -86,17 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                        cfg.max_model_len, cost)
     hello = sim_hello(cfg)
     log.info("model loaded", extra={"fields": {"model": hello.model_id, "simulated": True}})
-    link = open_link(cfg, hello)  # type: ignore[arg-type]  # same link fields as WorkerConfig
-    link.start()
-    loop = WorkerLoop(cfg, engine, link, stop)  # type: ignore[arg-type]
-    try:
-        code = loop.run()
-    except Exception as exc:
-        log.exception("simulated engine loop failed")
-        link.stop(dying_reason=f"engine error: {type(exc).__name__}")
-        return 1
-    link.stop(dying_reason="shutdown" if code == 0 else f"refused: {link.rejected}")
-    return code
+    return serve(cfg, engine, hello, stop)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,6 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     worker_done: bool = False  # the worker sent this choice's last frame
-    token_ids: list[int] = field(default_factory=list)
 
 
 class Generation:
@@ -231,7 +230,6 @@ class Generation:
                                    out.since_scheduled_s)
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         choice.tokens += len(out.token_ids)
-        choice.token_ids.extend(out.token_ids)
         text = choice.detok.add(out.token_ids)
         finish = None
         if choice.detok.stopped:
@@ -250,4 +248,7 @@ class Generation:
             else:
                 self.client.release(self.handle)
             self._live = False
+        if self.handle is not None:  # its release measures how fast this worker drains; read
+            # here, not at start, since a retry may have moved the request to another worker
+            self.slot.worker = self.handle.worker.hello.worker_id
         self.slot.release()

@@ -237,8 +237,6 @@ class GatewayState:
         except asyncio.CancelledError:
             await asyncio.shield(gen.close())  # frees the slot; stops the work if it was sent
             raise
-        if gen.handle is not None:  # its release now measures how fast this worker drains
-            slot.worker = gen.handle.worker.hello.worker_id
         return gen
 
     # ---- after --------------------------------------------------------------------------------

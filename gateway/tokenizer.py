@@ -242,6 +242,8 @@ class GatewayTokenizer:
             # limit, and the whole render runs in a worker thread, off the event loop.
             pieces: list[str] = []
             size, start = 0, time.monotonic()
+            # jinja2's Template.generate: the template's text as a stream of pieces (no model
+            # is involved; the gateway never runs one).
             for piece in self._template.generate(
                 messages=chat,
                 # Passed as None, not left undefined: templates test `tools is not none`, which

@@ -199,16 +199,19 @@ class ToolStream:
         self.plan = plan
         self.held = ""
         self.is_text = False
+        self.is_call = False  # the held text starts with OPEN: no need to look at it again
 
     def feed(self, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The deltas to send now, and the finish reason to send with the last of them."""
         if self.is_text:
             return ([{"content": text}] if text or finish else []), finish
         self.held += text
-        head = self.held.lstrip()
-        if head and not (head.startswith(OPEN) or OPEN.startswith(head)):
-            self.is_text = True
-            return [{"content": self.held}], finish
+        if not self.is_call:
+            head = self.held.lstrip()
+            if head and not (head.startswith(OPEN) or OPEN.startswith(head)):
+                self.is_text = True
+                return [{"content": self.held}], finish
+            self.is_call = head.startswith(OPEN)
         if finish is None:
             return [], None
         calls = self.plan.parse(self.held)
