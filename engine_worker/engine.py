@@ -108,14 +108,15 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
-        self.scheduler.abort(request_id)
-        for seq in req.seqs:
+        # Only the choices still live get a closing frame: one that ended (a stop, its length,
+        # or a per-choice abort_choice) has had its last frame already.
+        live = self.scheduler.abort(request_id)
+        for seq in live:
             self._release(seq)
         return [
             m.TokenOutput(request_id, seq.index, [], reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, cached_tokens=seq.num_cached_tokens)
-            for seq in req.seqs
-            if seq.finish_reason in (None, "abort")
+            for seq in live
         ]
 
     def abort_choice(self, request_id: str, index: int) -> list[m.TokenOutput]:

@@ -164,6 +164,9 @@ class Scheduler:
         seq = next((s for s in self._by_request.get(request_id, ()) if s.index == index), None)
         if seq is None:
             return None
+        if seq.group is not None and seq is seq.group.leader and not seq.group.prompt_computed:
+            # Its siblings wait for the leader's prompt: ending it first would strand them.
+            return None
         if seq.status is SequenceStatus.RUNNING:
             self._finish(seq, "abort")
         else:

@@ -201,3 +201,14 @@ def test_abort_frees_blocks_and_reports_the_reason(tiny_dir: Path) -> None:
     outs = engine.abort("x", "timeout")
     assert [o.finish_reason for o in outs] == ["timeout"]
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_work
+
+
+def test_a_choice_aborted_alone_gets_no_second_closing_frame(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir)
+    engine.add(greedy("n2", prompt(30, 81), max_tokens=100, n=2))
+    for _ in range(3):
+        engine.step()
+    assert [o.index for o in engine.abort_choice("n2", 1)] == [1]
+    outs = engine.abort("n2", "timeout")  # the whole request ends later
+    assert [(o.index, o.finish_reason) for o in outs] == [(0, "timeout")]
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_work

@@ -361,3 +361,13 @@ def test_a_waiting_choice_can_be_aborted() -> None:
     assert sched.num_waiting == 0
     run_to_completion(sched, model)
     assert seqs[0].num_output_tokens == 3 and sched.block_manager.num_used_blocks == 0
+
+
+def test_the_leader_cannot_be_aborted_alone_before_its_prompt_is_computed() -> None:
+    sched, model = make_scheduler(), FakeModel()
+    seqs = Scheduler.make_group("n2", list(range(1000, 1010)), SamplingParams(max_tokens=3, n=2))
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.abort_seq("n2", 0) is None  # its sibling would wait for it forever
+    run_to_completion(sched, model)
+    assert [s.num_output_tokens for s in seqs] == [3, 3]
