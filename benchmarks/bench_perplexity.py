@@ -1,10 +1,16 @@
 """Perplexity of SmolLM2 served each way, on the same text, through our own forward.
 
     python benchmarks/bench_perplexity.py [--text FILE ...] [--window 512] [--modes ...]
+        [--score all|half] [--llama-perplexity PATH]
 
 Data flow: text (--text files; default CPython's pydoc_data.topics) -> SmolLM2's tokenizer ->
 windows of --window tokens (no overlap) -> ModelRunner.forward_full (no cache) per mode ->
-mean negative log-likelihood of each next token -> exp. Modes:
+mean negative log-likelihood of each next token -> exp. `--score half` scores only the second
+half of each window and drops a short last window: llama.cpp's `llama-perplexity` rule (each
+chunk of n_ctx tokens is evaluated alone and tokens n_ctx/2+1 .. n_ctx-1 are scored; SmolLM2's
+GGUF adds no BOS, so no token is replaced). With `--llama-perplexity PATH` that binary is run on
+the same text, cut to the same tokens, with -c --window, and its figure is printed beside ours:
+the issue's "within 0.5 % of llama.cpp's quantization of the same file". Modes:
   float32   the GGUF dequantized to float32 by transformers (the converted folder): what the
             file's blocks mean exactly, the reference
   gguf      the file's own Q4_1/Q8_0 blocks served packed (--dtype auto, the default)
@@ -25,17 +31,40 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def perplexity(runner: object, ids: list[int], window: int) -> float:
+def perplexity(runner: object, ids: list[int], window: int, half: bool = False) -> float:
+    """exp(mean NLL) over windows of `window` tokens; `half`: llama-perplexity's rule."""
     nll, count = 0.0, 0
+    first = window // 2 if half else 0  # the first scored logit row of a window
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]
-        if len(chunk) < 2:
+        if len(chunk) < 2 or (half and len(chunk) < window):
             break
         logits = runner.forward_full(chunk)  # type: ignore[attr-defined]  # (T, V) float32
-        target = torch.tensor(chunk[1:])
-        nll += torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum").item()
-        count += len(chunk) - 1
+        target = torch.tensor(chunk[first + 1 :])
+        nll += torch.nn.functional.cross_entropy(logits[first:-1], target,
+                                                 reduction="sum").item()
+        count += len(target)
     return math.exp(nll / count)
+
+
+def llama_perplexity(binary: Path, gguf: Path, text: str, window: int, chunks: int,
+                     threads: int) -> float:
+    """llama.cpp's own figure for `gguf` on `text` (its tokenizer, its forward), n_ctx=window."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        out = subprocess.run(
+            [str(binary), "-m", str(gguf), "-f", f.name, "-c", str(window), "-b", str(window),
+             "--chunks", str(chunks), "-t", str(threads)],
+            capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if found is None:
+        raise RuntimeError("llama-perplexity printed no final estimate:\n" + out.stderr[-2000:])
+    return float(found.group(1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--modes", default="float32,gguf,int8,int4")
+    ap.add_argument("--score", choices=("all", "half"), default="all",
+                    help="half: score the second half of each window (llama-perplexity's rule)")
+    ap.add_argument("--llama-perplexity", type=Path, default=None,
+                    help="llama.cpp's llama-perplexity binary: its figure on the same text")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tokenizers import Tokenizer
@@ -60,10 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids[: args.max_tokens]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = tok.encode(text).ids[: args.max_tokens]
+    text = tok.decode(ids)  # the text those tokens spell, so llama.cpp reads the same span
     name = ", ".join(p.name for p in args.text) or "pydoc_data.topics"
-    print(f"text: {name}; {len(ids)} tokens, windows of "
-          f"{args.window}", flush=True)
+    print(f"text: {name}; {len(ids)} tokens, windows of {args.window}, "
+          f"scoring {'the second half of each' if args.score == 'half' else 'all'}", flush=True)
+    half = args.score == "half"
+    llama = None
+    if args.llama_perplexity is not None:
+        if not half:
+            print("llama-perplexity scores half windows: pass --score half to compare", flush=True)
+        llama = llama_perplexity(args.llama_perplexity, embedded_gguf_path(), text,
+                                 args.window, len(ids) // args.window, args.threads)
+        print(f"llama.cpp perplexity {llama:.4f}  (llama-perplexity, same GGUF, same text)",
+              flush=True)
+    torch.set_num_threads(args.threads)
     ref = None
     for mode in args.modes.split(","):
         kw: dict[str, object] = {"kv_budget_bytes": 256 << 20}
@@ -73,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             kw["quantization"] = mode
         runner = ModelRunner(folder, **kw)  # type: ignore[arg-type]
         with torch.inference_mode():
-            ppl = perplexity(runner, ids, args.window)
+            ppl = perplexity(runner, ids, args.window, half)
         ref = ppl if ref is None else ref
         print(f"{mode:8s} perplexity {ppl:.4f}  ({(ppl / ref - 1) * 100:+.2f} % vs "
-              f"{args.modes.split(',')[0]})  weights {runner.weight_bytes / 2**20:.0f} MiB",
-              flush=True)
+              f"{args.modes.split(',')[0]}"
+              + ("" if llama is None else f", {(ppl / llama - 1) * 100:+.2f} % vs llama.cpp")
+              + f")  weights {runner.weight_bytes / 2**20:.0f} MiB", flush=True)
         del runner
     return 0
 

@@ -96,12 +96,11 @@ class ModelRunner:
         else:
             self.model = load_model(Path(model_path), dtype, self.device,
                                     max_positions=max_model_len)
-            # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4 keeps the
-            # (tied) LM head in float: with INT4 layers, an INT4 head and also a per-channel
-            # INT8 head (tried) turn SmolLM2's "The capital of France is Paris." into
-            # "L'Étoile, ..." (tests/e2e). The GGUF-native path's head is the file's Q8_0.
-            self.quant = quantize_model(self.model, quantization, group_size,
-                                        lm_head=quantization != "int4")
+            # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4's (tied) LM
+            # head is INT8 per group of 32, as the GGUF path's Q8_0 head: an INT4 head and a
+            # per-channel INT8 head (tried) turn SmolLM2's "The capital of France is Paris."
+            # into "L'Étoile, ..." (tests/e2e); a float32 head cost 4.5 ms a step.
+            self.quant = quantize_model(self.model, quantization, group_size)
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once

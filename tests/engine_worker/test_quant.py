@@ -20,6 +20,7 @@ from engine_worker.quant import (
     unpack_int4,
     weight_bytes,
 )
+from engine_worker.quant_group import Int8GroupEmbedding, Int8GroupLinear
 
 HAS_INT8_KERNEL = hasattr(torch, "_weight_int8pack_mm")
 HAS_INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -151,8 +152,13 @@ def test_quantize_tiny_model_logits(tiny_dir: Path, mode: str, min_cos: float) -
         ref = model(ids, torch.arange(24), meta, None)
         report = quantize_model(model, mode, 32)
         out = model(ids, torch.arange(24), meta, None)
-    assert isinstance(model.model.embed_tokens, Int8Embedding)  # tied: float table freed
-    # int4 keeps an INT8 embedding table, the bulk of this tiny model
+    # tied: float table freed; INT4's head is group-wise INT8 (Q8_0's rule), shared with the
+    # embedding, the bulk of this tiny model
+    embed = Int8Embedding if mode == "int8" else Int8GroupEmbedding
+    assert isinstance(model.model.embed_tokens, embed)
+    if mode == "int4":
+        assert isinstance(model.lm_head, Int8GroupLinear)
+        assert model.model.embed_tokens.table is model.lm_head
     assert report.bytes_after < report.bytes_before * (0.3 if mode == "int8" else 0.45)
     assert report.bytes_after == weight_bytes(model) and not report.skipped
     assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -197,3 +203,15 @@ def test_int8_cosine_on_smollm2_layers(smollm2_dir: Path) -> None:
         assert cosine(q(x), mod(x)) > 0.998, name
         xr = torch.randn_like(x)
         assert cosine(q(xr), mod(xr)) > 0.998, name
+
+
+def test_group_int8_from_float_follows_q8_0() -> None:
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    w[5, 40] = 30.0  # one outlier: only its own group of 32 gets the coarse scale
+    q = Int8GroupLinear.from_float(w, use_kernel=False)
+    deq = q.dequantize()
+    err = (deq - w).abs().view(64, 3, 32).amax(-1)  # (N, G): within half a step per group
+    step = q.scales.t()  # (N, G)
+    assert bool((err <= step / 2 + 1e-6).all())
+    assert float(step[5, 1]) > 10 * float(step[5, 0])  # the outlier's group alone is coarse
+    assert torch.equal(q.scales, q.scales.half().float())  # stored as a Q8_0 file would
