@@ -1,10 +1,10 @@
 """llama.cpp's llama-server against ours, same GGUF, same streaming load, alternating in one run.
 
     python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
-        [--ours auto,float32] [--requests-1 4] [--requests-16 32]
+        [--ours auto,float32,int4] [--requests-1 4] [--requests-16 32]
 
-Data flow: for each round, for each server (llama-server if a binary is given, then ours with
-each --dtype in --ours; the order flips every round so neither always runs on a warmer machine):
+Data flow: for each round, for each server (llama-server if a binary is given, then ours in
+each mode of --ours; the order flips every round so neither always runs on a warmer machine):
 start it on loopback, wait until ready, run `kestrel-loadgen run` in closed loop at 1 and at 16
 streams (unique synthetic ~200-token prompts cut with SmolLM2's tokenizer, 128 new tokens,
 ignore_eos, completions API), stop it. Then print the table of the issue: ITL p50 at 1 stream,
@@ -45,8 +45,11 @@ def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_ours(dtype: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": dtype,
+def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
+    """mode: a --dtype (auto, float32, ...) or int8/int4 (--quantization, float32 activations)."""
+    quant = mode if mode in ("int8", "int4") else "none"
+    env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": "auto" if quant != "none" else mode,
+           "KESTREL_QUANTIZATION": quant,
            "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the embedded SmolLM2")
-    ap.add_argument("--ours", default="auto,float32", help="our --dtype values to run")
+    ap.add_argument("--ours", default="auto,float32,int4",
+                    help="ours to run: --dtype values, or int8/int4 for --quantization")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--requests-1", type=int, default=4)
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf or embedded_gguf_path()
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
-    servers: list[str] = [f"ours --dtype {d}" for d in args.ours.split(",") if d]
+    servers: list[str] = [f"ours --quantization {d}" if d in ("int8", "int4") else
+                          f"ours --dtype {d}" for d in args.ours.split(",") if d]
     if args.llama_server is None:
         print("llama-server: skipped (no --llama-server PATH given)", flush=True)
     elif not args.llama_server.is_file():
