@@ -1,0 +1,218 @@
+// Decode attention that reads K and V straight from the paged KV cache (issue 10).
+//
+// Data flow, for each (sequence b, KV head h) as one task of at::parallel_for:
+//   q rows of the G = H / Hkv query heads of KV head h (scaled by 1/sqrt(D), as float32)
+//   -> pass 1: walk the sequence's block table; each K row (one slot) is read once and scored
+//      against all G query rows: scores (G, T) in float32
+//   -> softmax per query row (max, exp, sum; float32)
+//   -> pass 2: walk the table again; each V row is read once and added into the G float32
+//      accumulators weighted by its G probabilities
+//   -> out[b, h*G + g, :] = acc / sum, cast to the query's dtype
+// No copy of the context is made: a K or V row is read where it sits, slot = block * bs + offset.
+//
+// Layouts (checked in `paged_decode_attention`): q (B, H, D) with unit last stride; k_cache and
+// v_cache (slots, Hkv, D) contiguous; block_table (B, nblk) int64; context_lens (B,) int64, each
+// in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
+// float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
+// arithmetic is float32 throughout. The inner loops run over D with fixed-width lane arrays so
+// that -O3 -march=native vectorises them (AVX512 where the host has it, AVX2 elsewhere).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float x) {  // round to nearest even, as c10::BFloat16 does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// A row of D elements as float32: float32 rows are used in place, bfloat16 rows widened into buf.
+inline const float* row_f32(const float* src, int64_t, float*) { return src; }
+inline const float* row_f32(const uint16_t* src, int64_t d, float* buf) {
+  for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_float(src[i]);
+  return buf;
+}
+
+inline void store_row(float* dst, const float* src, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
+}
+inline void store_row(uint16_t* dst, const float* src, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i] * s);
+}
+
+// Dot product over D in kLanes independent partial sums (vectorisable without -ffast-math).
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < d; ++i) s += a[i] * b[i];
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their max), branch-free so the loop over T vectorises:
+// x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial (Cephes expf coefficients,
+// ~1 ulp); 2^n put into the exponent bits. Below -87 the result flushes to 0, as expf's would
+// underflow.
+inline void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i] < -87.f ? -87.f : x[i];
+    // round to nearest by the 1.5 * 2^23 trick: |v log2 e| < 2^22, and no libm call to block
+    // vectorisation (the compiler may not reassociate it away without -ffast-math)
+    float k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t e = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    x[i] = x[i] < -87.f ? 0.f : p * scale;
+  }
+}
+
+template <typename T>
+void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+                   const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
+                   int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements between consecutive slots of one head
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), buf(D), scores, sums(G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t t_len = lens[b];
+      T* o = out + (b * H + h * G) * D;
+      if (t_len <= 0) {  // a padded row: zeros, so nothing downstream sees NaN
+        std::memset(static_cast<void*>(o), 0, sizeof(T) * G * D);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qr = q + b * q_sb + (h * G + g) * q_sh;
+        const float* qv = row_f32(qr, D, buf.data());
+        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = qv[i] * scale;
+      }
+      scores.resize(G * t_len);
+      const int64_t* tbl = table + b * nblk;
+      // pass 1: scores[g, t] = q_g . k_t, each K row read once for all G rows
+      for (int64_t j = 0, t = 0; t < t_len; ++j) {
+        const int64_t n = std::min(bs, t_len - t);
+        const T* kb = kc + (tbl[j] * bs) * row + h * D;
+        for (int64_t r = 0; r < n; ++r, ++t) {
+          const float* kv = row_f32(kb + r * row, D, buf.data());
+          for (int64_t g = 0; g < G; ++g) scores[g * t_len + t] = dot(&qf[g * D], kv, D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * t_len];
+        float mx = s[0];
+        for (int64_t t = 1; t < t_len; ++t) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = 0; t < t_len; ++t) s[t] -= mx;
+        exp_inplace(s, t_len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < t_len; ++t) sum += s[t];
+        sums[g] = sum;  // >= 1: the max's own term is exp(0)
+      }
+      // pass 2: acc[g] = sum_t p[g, t] v_t, each V row read once for all G rows
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0, t = 0; t < t_len; ++j) {
+        const int64_t n = std::min(bs, t_len - t);
+        const T* vb = vc + (tbl[j] * bs) * row + h * D;
+        for (int64_t r = 0; r < n; ++r, ++t) {
+          const float* vv = row_f32(vb + r * row, D, buf.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * t_len + t];
+            float* a = &acc[g * D];
+            for (int64_t i = 0; i < D; ++i) a[i] += p * vv[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) store_row(o + g * D, &acc[g * D], 1.f / sums[g], D);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, int64_t block_size) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "q (B, H, D), k_cache and v_cache (slots, Hkv, D)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_table and context_lens are int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t slots = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && Hkv > 0 && H % Hkv == 0, "head sizes do not match");
+  TORCH_CHECK(block_size > 0 && slots % block_size == 0, "bad block_size");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table is (B, nblk)");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B, "context_lens is (B,)");
+  at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor tbl = block_table.contiguous(), lens = context_lens.contiguous();
+  const int64_t nblk = tbl.size(1), num_blocks = slots / block_size;
+  // The kernel trusts these: a bad id or length would read outside the cache.
+  const int64_t* tp = tbl.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] <= nblk * block_size, "context length ", lp[b], " exceeds the table");
+    for (int64_t j = 0; j * block_size < lp[b]; ++j)
+      TORCH_CHECK(tp[b * nblk + j] >= 0 && tp[b * nblk + j] < num_blocks, "block id ",
+                  tp[b * nblk + j], " out of range");
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    decode_kernel<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1),
+                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp,
+                         out.data_ptr<float>(), B, H, Hkv, D, nblk, block_size);
+  } else {
+    auto u16 = [](const at::Tensor& t) {
+      return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+    };
+    decode_kernel<uint16_t>(u16(qc), qc.stride(0), qc.stride(1), u16(k_cache), u16(v_cache), tp,
+                            lp, u16(out), B, H, Hkv, D, nblk, block_size);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kestrel, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor context_lens, int block_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kestrel, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
