@@ -14,8 +14,10 @@
 // v_cache (slots, Hkv, D) contiguous; block_table (B, nblk) int64; context_lens (B,) int64, each
 // in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
 // float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
-// arithmetic is float32 throughout. The inner loops run over D with fixed-width lane arrays so
-// that -O3 -march=native vectorises them (AVX512 where the host has it, AVX2 elsewhere).
+// arithmetic is float32 throughout. The inner loops run over D (`omp simd`, a fixed trip count
+// for D = 64 or 128) so that -O3 -march=native vectorises them: AVX512 where the host has it,
+// AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
+// G query rows from L1, and each output accumulator stays in registers across a block.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,8 +29,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int kLanes = 16;
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -45,11 +45,26 @@ inline uint16_t float_to_bf16(float x) {  // round to nearest even, as c10::BFlo
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// A row of D elements as float32: float32 rows are used in place, bfloat16 rows widened into buf.
-inline const float* row_f32(const float* src, int64_t, float*) { return src; }
-inline const float* row_f32(const uint16_t* src, int64_t d, float* buf) {
-  for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_float(src[i]);
+// One block's first n rows of one head as float32 rows: a float32 cache is read in place (rows
+// `row` apart), a bfloat16 one widened into buf once per row (rows d apart). *stride says which.
+inline const float* block_f32(const float* src, int64_t, int64_t, int64_t row, float*,
+                              int64_t* stride) {
+  *stride = row;
+  return src;
+}
+inline const float* block_f32(const uint16_t* src, int64_t n, int64_t d, int64_t row, float* buf,
+                              int64_t* stride) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) buf[r * d + i] = bf16_to_float(src[r * row + i]);
+  *stride = d;
   return buf;
+}
+
+inline void load_row(const float* src, float* dst, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
+}
+inline void load_row(const uint16_t* src, float* dst, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_float(src[i]) * s;
 }
 
 inline void store_row(float* dst, const float* src, float s, int64_t d) {
@@ -59,16 +74,40 @@ inline void store_row(uint16_t* dst, const float* src, float s, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i] * s);
 }
 
-// Dot product over D in kLanes independent partial sums (vectorisable without -ffast-math).
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc[kLanes] = {0};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+// DC: the head size when known at compile time (64, 128: fixed trip counts the compiler
+// unrolls and keeps in registers), 0 for any other, read at run time.
+template <int DC>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  const int64_t n = DC > 0 ? DC : d;
   float s = 0.f;
-  for (; i < d; ++i) s += a[i] * b[i];
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// acc (D) += sum_r p[r] v_r over one block's rows; with DC known the accumulator lives in
+// registers for the whole block instead of a load and store per row.
+template <int DC>
+inline void axpy_block(float* __restrict acc, const float* __restrict p,
+                       const float* __restrict v, int64_t n, int64_t stride, int64_t d) {
+  if constexpr (DC > 0) {
+    float a[DC];
+    for (int i = 0; i < DC; ++i) a[i] = acc[i];
+    for (int64_t r = 0; r < n; ++r) {
+      const float pr = p[r];
+      const float* vr = v + r * stride;
+#pragma omp simd
+      for (int i = 0; i < DC; ++i) a[i] += pr * vr[i];
+    }
+    for (int i = 0; i < DC; ++i) acc[i] = a[i];
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      const float pr = p[r];
+      const float* vr = v + r * stride;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += pr * vr[i];
+    }
+  }
 }
 
 // exp(x) for x <= 0 (scores minus their max), branch-free so the loop over T vectorises:
@@ -96,7 +135,7 @@ inline void exp_inplace(float* x, int64_t n) {
   }
 }
 
-template <typename T>
+template <typename T, int DC>
 void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
                    const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
                    int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
@@ -104,7 +143,7 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T*
   const int64_t row = Hkv * D;  // elements between consecutive slots of one head
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), buf(D), scores, sums(G);
+    std::vector<float> qf(G * D), acc(G * D), buf(bs * D), scores, sums(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t t_len = lens[b];
@@ -113,21 +152,22 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T*
         std::memset(static_cast<void*>(o), 0, sizeof(T) * G * D);
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qr = q + b * q_sb + (h * G + g) * q_sh;
-        const float* qv = row_f32(qr, D, buf.data());
-        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = qv[i] * scale;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        load_row(q + b * q_sb + (h * G + g) * q_sh, &qf[g * D], scale, D);
       scores.resize(G * t_len);
       const int64_t* tbl = table + b * nblk;
-      // pass 1: scores[g, t] = q_g . k_t, each K row read once for all G rows
+      int64_t stride;
+      // pass 1: scores[g, t] = q_g . k_t; a block's K rows are read from memory once, then
+      // serve the G query rows from L1
       for (int64_t j = 0, t = 0; t < t_len; ++j) {
         const int64_t n = std::min(bs, t_len - t);
-        const T* kb = kc + (tbl[j] * bs) * row + h * D;
-        for (int64_t r = 0; r < n; ++r, ++t) {
-          const float* kv = row_f32(kb + r * row, D, buf.data());
-          for (int64_t g = 0; g < G; ++g) scores[g * t_len + t] = dot(&qf[g * D], kv, D);
+        const float* kb = block_f32(kc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
+                                    &stride);
+        for (int64_t g = 0; g < G; ++g) {
+          float* s = &scores[g * t_len + t];
+          for (int64_t r = 0; r < n; ++r) s[r] = dot<DC>(&qf[g * D], kb + r * stride, D);
         }
+        t += n;
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = &scores[g * t_len];
@@ -136,26 +176,35 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T*
         for (int64_t t = 0; t < t_len; ++t) s[t] -= mx;
         exp_inplace(s, t_len);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < t_len; ++t) sum += s[t];
         sums[g] = sum;  // >= 1: the max's own term is exp(0)
       }
-      // pass 2: acc[g] = sum_t p[g, t] v_t, each V row read once for all G rows
+      // pass 2: acc[g] = sum_t p[g, t] v_t; V read once per block, as K was
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0, t = 0; t < t_len; ++j) {
         const int64_t n = std::min(bs, t_len - t);
-        const T* vb = vc + (tbl[j] * bs) * row + h * D;
-        for (int64_t r = 0; r < n; ++r, ++t) {
-          const float* vv = row_f32(vb + r * row, D, buf.data());
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * t_len + t];
-            float* a = &acc[g * D];
-            for (int64_t i = 0; i < D; ++i) a[i] += p * vv[i];
-          }
-        }
+        const float* vb = block_f32(vc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
+                                    &stride);
+        for (int64_t g = 0; g < G; ++g)
+          axpy_block<DC>(&acc[g * D], &scores[g * t_len + t], vb, n, stride, D);
+        t += n;
       }
       for (int64_t g = 0; g < G; ++g) store_row(o + g * D, &acc[g * D], 1.f / sums[g], D);
     }
   });
+}
+
+template <typename T>
+void dispatch(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+              const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
+              int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
+  if (D == 64)
+    decode_kernel<T, 64>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+  else if (D == 128)
+    decode_kernel<T, 128>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+  else
+    decode_kernel<T, 0>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -192,14 +241,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    decode_kernel<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1),
+    dispatch<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1),
                          k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp,
                          out.data_ptr<float>(), B, H, Hkv, D, nblk, block_size);
   } else {
     auto u16 = [](const at::Tensor& t) {
       return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
     };
-    decode_kernel<uint16_t>(u16(qc), qc.stride(0), qc.stride(1), u16(k_cache), u16(v_cache), tp,
+    dispatch<uint16_t>(u16(qc), qc.stride(0), qc.stride(1), u16(k_cache), u16(v_cache), tp,
                             lp, u16(out), B, H, Hkv, D, nblk, block_size);
   }
   return out;
