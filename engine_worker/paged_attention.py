@@ -137,6 +137,7 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
     if reason is not None:
         log.info("decode attention gathers each context into a copy: %s", reason)
         return PagedAttention(False, reason)
+    log.info("decode attention reads the paged KV cache in place (C++ kernel)")
     return PagedAttention(True, "in place")
 
 
