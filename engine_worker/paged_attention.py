@@ -6,9 +6,10 @@ Data flow:
       -> mode "gather", a non-CPU device, a dtype other than float32/bfloat16, no C++ compiler
          or ninja, or a failed build: PagedAttention(enabled=False, reason) and one log line;
          the model keeps the gather path (a contiguous copy of each context, then SDPA)
-      -> else <cache_dir>/kernels/paged_attention-<torch version>-<source hash>/ holds the built
-         library? load it (milliseconds). If not, log "compiling ... (one time, ~N s)" and build
-         it there with torch.utils.cpp_extension (-O3 -march=native: this host's AVX512 or AVX2)
+      -> else <cache_dir>/kernels/paged_attention-<torch version>-<hash>/ (hash: source, flags,
+         CPU features) holds the built library? load it (milliseconds). If not, log
+         "compiling ... (one time, ~N s)" and build it there with torch.utils.cpp_extension
+         (-O3 -march=native: this host's AVX512 or AVX2)
       -> the library registers torch.ops.kestrel.paged_decode_attention (C++, TORCH_LIBRARY);
          its fake (shape-only) implementation is registered here, so torch.compile traces it
     Attention's decode then calls `paged_decode_attention(q, k_cache, v_cache, table, lens, bs)`
@@ -16,7 +17,8 @@ Data flow:
 
 The source hash and torch version key the folder, so an edited kernel or another torch builds
 anew and never loads a stale library; `-march=native` is safe because the host that builds is
-the host that runs (the cache dir is per host; a shared one would need the CPU in the key).
+the host that runs it: the key also hashes the CPU's feature flags, so a cache dir shared by
+hosts with different CPUs builds once per kind of CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
 from dataclasses import dataclass
@@ -50,9 +53,23 @@ class PagedAttention:
     reason: str
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), so that a cache dir shared by hosts of different CPUs
+    (a network volume) never hands an AVX512 build to an AVX2-only host."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
 def _source_key() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join(CFLAGS).encode())
+    h.update(_cpu_flags().encode())
     return f"{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
 
