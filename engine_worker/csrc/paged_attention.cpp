@@ -14,9 +14,9 @@
 // v_cache (slots, Hkv, D) contiguous; block_table (B, nblk) int64; context_lens (B,) int64, each
 // in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
 // float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
-// arithmetic is float32 throughout. The inner loops run over D (`omp simd`, a fixed trip count
-// for D = 64 or 128) so that -O3 -march=native vectorises them: AVX512 where the host has it,
-// AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
+// arithmetic is float32 throughout (exp by a polynomial, ~1 ulp). The inner loops run over D:
+// for D = 64 or 128 on 16-float vector-extension values, otherwise as `omp simd` loops, so that
+// -O3 -march=native vectorises them: AVX512 where the host has it, AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
 // G query rows from L1, and each output accumulator stays in registers across a block.
 
 #include <ATen/ATen.h>

@@ -74,7 +74,8 @@ def gather_reference(attn: Attention, q: torch.Tensor, k_cache: torch.Tensor,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b", [1, 16])
-@pytest.mark.parametrize("heads", [(4, 4, 16), (9, 3, 64), (6, 2, 16)])  # G = 1, 3 (SmolLM2), 3
+# G = 1; 3 with SmolLM2's 9/3 x 64; 3 with a head size on the generic (not 64/128) path; 4 x 128
+@pytest.mark.parametrize("heads", [(4, 4, 16), (9, 3, 64), (6, 2, 16), (8, 2, 128)])
 def test_kernel_equals_gather_path(kernel: None, dtype: torch.dtype, b: int,
                                    heads: tuple[int, int, int]) -> None:
     h, hkv, d = heads
