@@ -35,7 +35,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
+def kernel() -> None:
     missing = compiler_missing()
     if missing is not None:
         pytest.skip(f"paged attention kernel not buildable here: {missing}")
