@@ -25,6 +25,8 @@ from engine_worker.model_runner import ModelRunner, StepItem
 
 
 def set_grouped(runner: ModelRunner, on: bool) -> None:
+    # both on the gather path: the in-place kernel (bench_paged_attention) bypasses either
+    runner.set_paged_attention(False)
     for layer in runner.model.model.layers:
         layer.self_attn.grouped_decode = on
 

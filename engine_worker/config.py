@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+PAGED_ATTENTION_MODES = ("auto", "gather")
 
 
 def default_cache_dir() -> str:
@@ -43,6 +44,10 @@ class WorkerConfig:
     dense_min_rows: int = setting(4, "GGUF-native weights: from this many rows a step computes "
                                   "with a bfloat16 copy of each layer (~230 MiB more for "
                                   "SmolLM2, faster batches); 0 keeps only the packed blocks")
+    paged_attention: str = setting("auto", "CPU decode attention: auto (a C++ kernel reads the "
+                                   "paged KV cache in place; built for this host on the first "
+                                   "start, ~10 s, kept in the cache dir; gather where it cannot "
+                                   "build) or gather (copy each context, then SDPA)")
     kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
     kv_cache_memory: str = setting("", "KV cache budget, overriding kv_cache_mb: bytes "
                                    "(2147483648, 2GiB, 512MB) or a fraction in (0, 1) of the "
@@ -88,6 +93,9 @@ class WorkerConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"not {self.quantization!r}")
+        if self.paged_attention not in PAGED_ATTENTION_MODES:
+            raise ValueError(f"paged_attention must be one of {PAGED_ATTENTION_MODES}, "
+                             f"not {self.paged_attention!r}")
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(f"quant_group_size must be one of {QUANT_GROUP_SIZES}")
         positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")

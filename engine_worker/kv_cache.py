@@ -3,8 +3,10 @@
 Layout per layer: `k[layer]` and `v[layer]` are (num_blocks * block_size, Hkv, D). A token's slot is
 `block * block_size + offset`; the model writes a step's new K/V with `index_copy_` at its slots and
 reads a sequence back by viewing the tensor as (num_blocks, block_size, Hkv, D) and gathering the
-blocks in its block table. Which blocks belong to which sequence is the block manager's business
-(no torch there); this module only owns the memory and says how much a budget buys.
+blocks in its block table, or (CPU decodes) reads the slots in place through the table
+(engine_worker/paged_attention.py). Which blocks belong to which sequence is the block
+manager's business (no torch there); this module only owns the memory and says how much a
+budget buys.
 """
 
 from __future__ import annotations

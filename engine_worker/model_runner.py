@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from engine_worker.config import default_cache_dir
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model.gguf_native import load_gguf_model
-from engine_worker.model.llama import AttnMeta, PrefillSpan
+from engine_worker.model.llama import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
+from engine_worker.paged_attention import load_paged_attention
 from engine_worker.quant import QuantReport, quantize_model, weight_bytes
 
 # From this many rows GGUF-native layers run a bfloat16 copy through oneDNN: the packed INT4
@@ -60,9 +62,13 @@ class ModelRunner:
         group_size: int = 32,
         gguf_path: Path | None = None,
         dense_min_rows: int = DENSE_ROWS,
+        paged_attention: str = "auto",
+        kernel_cache_dir: Path | None = None,
     ) -> None:
         """gguf_path: serve that file's own quantized blocks (model_path then only supplies
-        config.json); `dtype` is the activations' and KV cache's, `quantization` must be none."""
+        config.json); `dtype` is the activations' and KV cache's, `quantization` must be none.
+        paged_attention: "auto" reads decode contexts in place with the C++ kernel where it
+        builds (kept in kernel_cache_dir, default ~/.cache/kestrel), "gather" copies them."""
         if num_threads is not None:
             # Process-wide by nature; torch's default (one per physical core) is usually right.
             torch.set_num_threads(num_threads)
@@ -103,8 +109,20 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, group_size)
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
+        self.paged_attention = load_paged_attention(
+            paged_attention, self.device, dtype,
+            kernel_cache_dir if kernel_cache_dir is not None else Path(default_cache_dir()))
+        self.set_paged_attention(self.paged_attention.enabled)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
+
+    def set_paged_attention(self, on: bool) -> None:
+        """Decodes read the cache in place (True; needs the kernel loaded) or gather a copy."""
+        if on and not self.paged_attention.enabled:
+            raise ValueError(f"paged attention kernel unavailable: {self.paged_attention.reason}")
+        for mod in self.model.modules():
+            if isinstance(mod, Attention):
+                mod.paged_decode = on
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
@@ -212,6 +230,8 @@ class ModelRunner:
             decode_blocks=decode_where,
             decode_ctx=t_max,
             decode_mask=decode_mask,
+            decode_table=blocks_t.view(b, nblk) if b else None,
+            decode_lens=ctx_t if b else None,
             prefills=spans,
         )
         return ids_t, pos_t, meta, rows_t

@@ -15,6 +15,10 @@ prefill chunk. Attention reads earlier tokens from the paged KV cache by gatheri
 (`index_select` over a (num_blocks, block_size, Hkv, D) view), which moves block_size rows at once;
 when one sequence's blocks are consecutive the runner passes their first slot instead, and the
 read is a free view (the gather is a cold-memory copy: ~40 us per layer and tensor, measured).
+On CPU with float32/bfloat16 caches the decodes skip the gather altogether: a C++ kernel
+(engine_worker/paged_attention.py) reads K and V in place through `decode_table`; the gather
+path stays as the reference and the fallback, and prefill chunks keep it (one SDPA per chunk
+over its gathered context, a copy amortised over the chunk's many query rows).
 On CPU the decodes' SDPA takes the G = H / Hkv query heads of one KV head as G query rows
 ((B, Hkv, G, D) against (B, Hkv, T, D)), so one pass over a KV head's K and V serves all G rows;
 with `enable_gqa` the CPU flash kernel runs each query head (one row) over them separately, G
@@ -37,6 +41,7 @@ from torch import nn
 
 from engine_worker.kv_cache import KVCache
 from engine_worker.model.config import ModelConfig
+from engine_worker.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -64,6 +69,10 @@ class AttnMeta:
     decode_blocks: torch.Tensor | int | None = None
     decode_ctx: int = 0  # Tmax: the longest decode context in the batch
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, Tmax) bool; None if all lengths == Tmax
+    # The same tables as (B, nblk) int64 and each decode's context length (B,) int64: what the
+    # in-place paged kernel reads (engine_worker/paged_attention.py); None when no decodes.
+    decode_table: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -169,6 +178,11 @@ class Attention(nn.Module):
         # CPU decodes group query heads per KV head (measured faster on CPU, issue 10); False
         # keeps the enable_gqa path, the reference the grouped path is tested against.
         self.grouped_decode = True
+        # Decodes read K/V in place through their block tables (a C++ kernel, one pass per KV
+        # head for its G query rows) instead of gathering them into a copy. The runner turns it
+        # on once the kernel has loaded (CPU, float32/bfloat16); the gather below stays the
+        # reference and the fallback.
+        self.paged_decode = False
 
     def forward(
         self,
@@ -189,7 +203,12 @@ class Attention(nn.Module):
 
         outs: list[torch.Tensor] = []  # (rows, H, D) pieces in batch-row order
         b, bs = meta.num_decode, meta.block_size
-        if b:  # all decodes in one SDPA over their padded contexts
+        table, lens = meta.decode_table, meta.decode_lens
+        if b and self.paged_decode and table is not None and lens is not None \
+                and k_cache is not None and v_cache is not None:
+            # (B, H, D), reading each context where it sits: no copy
+            outs.append(paged_decode_attention(q[:b], k_cache, v_cache, table, lens, bs))
+        elif b:  # all decodes in one SDPA over their padded contexts
             kd, vd = self._context(k_cache, v_cache, meta.decode_blocks, bs, b, meta.decode_ctx)
             if self.grouped_decode and kd.device.type == "cpu":
                 outs.append(self._decode_grouped(q[:b], kd, vd, meta.decode_mask))

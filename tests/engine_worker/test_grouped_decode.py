@@ -59,6 +59,8 @@ def test_grouped_decode_equals_enable_gqa_on_scattered_ragged_contexts() -> None
 
 
 def set_grouped(runner: ModelRunner, on: bool) -> None:
+    # both sides on the gather path: the in-place kernel (test_paged_attention) would bypass it
+    runner.set_paged_attention(False)
     for layer in runner.model.model.layers:
         layer.self_attn.grouped_decode = on
 
@@ -78,6 +80,7 @@ def test_runner_decode_step_logits_equal_both_paths(tiny_runner: ModelRunner) ->
         got = tiny_runner.execute(items)
     finally:
         set_grouped(tiny_runner, True)
+        tiny_runner.set_paged_attention(tiny_runner.paged_attention.enabled)
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
 
 

@@ -1,0 +1,300 @@
+// Decode attention that reads K and V straight from the paged KV cache (issue 10).
+//
+// Data flow, for each (sequence b, KV head h) as one task of at::parallel_for:
+//   q rows of the G = H / Hkv query heads of KV head h (scaled by 1/sqrt(D), as float32)
+//   -> pass 1: walk the sequence's block table; each K row (one slot) is read once and scored
+//      against all G query rows: scores (G, T) in float32
+//   -> softmax per query row (max, exp, sum; float32)
+//   -> pass 2: walk the table again; each V row is read once and added into the G float32
+//      accumulators weighted by its G probabilities
+//   -> out[b, h*G + g, :] = acc / sum, cast to the query's dtype
+// No copy of the context is made: a K or V row is read where it sits, slot = block * bs + offset.
+//
+// Layouts (checked in `paged_decode_attention`): q (B, H, D) with unit last stride; k_cache and
+// v_cache (slots, Hkv, D) contiguous; block_table (B, nblk) int64; context_lens (B,) int64, each
+// in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
+// float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
+// arithmetic is float32 throughout (exp by a polynomial, ~1 ulp). The inner loops run over D:
+// for D = 64 or 128 on 16-float vector-extension values, otherwise as `omp simd` loops, so that
+// -O3 -march=native vectorises them: AVX512 where the host has it, AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
+// G query rows from L1, and each output accumulator stays in registers across a block.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float x) {  // round to nearest even, as c10::BFloat16 does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One block's first n rows of one head as float32 rows: a float32 cache is read in place (rows
+// `row` apart), a bfloat16 one widened into buf once per row (rows d apart). *stride says which.
+inline const float* block_f32(const float* src, int64_t, int64_t, int64_t row, float*,
+                              int64_t* stride) {
+  *stride = row;
+  return src;
+}
+inline const float* block_f32(const uint16_t* src, int64_t n, int64_t d, int64_t row, float* buf,
+                              int64_t* stride) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) buf[r * d + i] = bf16_to_float(src[r * row + i]);
+  *stride = d;
+  return buf;
+}
+
+inline void load_row(const float* src, float* dst, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
+}
+inline void load_row(const uint16_t* src, float* dst, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_float(src[i]) * s;
+}
+
+inline void store_row(float* dst, const float* src, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
+}
+inline void store_row(uint16_t* dst, const float* src, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i] * s);
+}
+
+// DC: the head size when known at compile time (64, 128: fixed trip counts the compiler
+// unrolls and keeps in registers), 0 for any other, read at run time.
+// 16 floats as one value: GCC/Clang vector extensions, lowered to one AVX512 register, two AVX2
+// ones, or four SSE ones, whatever -march=native offers. Locals of this type stay in registers
+// (an array of floats indexed in a loop was spilled to the stack, measured).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Sum of 16 lanes by halving: three vector adds and two scalar ones, not a chain of 15.
+inline float hsum(v16 x) {
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// DC: the head size when a multiple of 16 known at compile time (64, 128: the vector path),
+// 0 for any other, read at run time (plain loops).
+template <int DC>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  if constexpr (DC > 0) {
+    v16 s = load16(a) * load16(b);
+#pragma GCC unroll 8
+    for (int i = 16; i < DC; i += 16) s += load16(a + i) * load16(b + i);
+    return hsum(s);
+  } else {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+    return s;
+  }
+}
+
+// acc (D) += sum_r p[r] v_r over one block's rows; with DC known the accumulator lives in
+// registers for the whole block instead of a load and store per row.
+template <int DC>
+inline void axpy_block(float* __restrict acc, const float* __restrict p,
+                       const float* __restrict v, int64_t n, int64_t stride, int64_t d) {
+  if constexpr (DC > 0) {
+    constexpr int NV = DC / 16;
+    v16 a[NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
+    for (int64_t r = 0; r < n; ++r) {
+      const float pr = p[r];
+      const float* vr = v + r * stride;
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) a[i] += pr * load16(vr + 16 * i);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) store16(acc + 16 * i, a[i]);
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      const float pr = p[r];
+      const float* vr = v + r * stride;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += pr * vr[i];
+    }
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their max), branch-free so the loop over T vectorises:
+// x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial (Cephes expf coefficients,
+// ~1 ulp); 2^n put into the exponent bits. Below -87 the result flushes to 0, as expf's would
+// underflow.
+inline void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i] < -87.f ? -87.f : x[i];
+    // round to nearest by the 1.5 * 2^23 trick: |v log2 e| < 2^22, and no libm call to block
+    // vectorisation (the compiler may not reassociate it away without -ffast-math)
+    float k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t e = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    x[i] = x[i] < -87.f ? 0.f : p * scale;
+  }
+}
+
+template <typename T, int DC>
+void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+                   const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
+                   int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements between consecutive slots of one head
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), buf(bs * D), scores, sums(G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t t_len = lens[b];
+      T* o = out + (b * H + h * G) * D;
+      if (t_len <= 0) {  // a padded row: zeros, so nothing downstream sees NaN
+        std::memset(static_cast<void*>(o), 0, sizeof(T) * G * D);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        load_row(q + b * q_sb + (h * G + g) * q_sh, &qf[g * D], scale, D);
+      scores.resize(G * t_len);
+      const int64_t* tbl = table + b * nblk;
+      int64_t stride;
+      // pass 1: scores[g, t] = q_g . k_t; a block's K rows are read from memory once, then
+      // serve the G query rows from L1
+      for (int64_t j = 0, t = 0; t < t_len; ++j) {
+        const int64_t n = std::min(bs, t_len - t);
+        const float* kb = block_f32(kc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
+                                    &stride);
+        for (int64_t g = 0; g < G; ++g) {
+          float* s = &scores[g * t_len + t];
+          for (int64_t r = 0; r < n; ++r) s[r] = dot<DC>(&qf[g * D], kb + r * stride, D);
+        }
+        t += n;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * t_len];
+        float mx = s[0];
+        for (int64_t t = 1; t < t_len; ++t) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = 0; t < t_len; ++t) s[t] -= mx;
+        exp_inplace(s, t_len);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < t_len; ++t) sum += s[t];
+        sums[g] = sum;  // >= 1: the max's own term is exp(0)
+      }
+      // pass 2: acc[g] = sum_t p[g, t] v_t; V read once per block, as K was
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0, t = 0; t < t_len; ++j) {
+        const int64_t n = std::min(bs, t_len - t);
+        const float* vb = block_f32(vc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
+                                    &stride);
+        for (int64_t g = 0; g < G; ++g)
+          axpy_block<DC>(&acc[g * D], &scores[g * t_len + t], vb, n, stride, D);
+        t += n;
+      }
+      for (int64_t g = 0; g < G; ++g) store_row(o + g * D, &acc[g * D], 1.f / sums[g], D);
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+              const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
+              int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
+  if (D == 64)
+    decode_kernel<T, 64>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+  else if (D == 128)
+    decode_kernel<T, 128>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+  else
+    decode_kernel<T, 0>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, int64_t block_size) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "q (B, H, D), k_cache and v_cache (slots, Hkv, D)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_table and context_lens are int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t slots = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && Hkv > 0 && H % Hkv == 0, "head sizes do not match");
+  TORCH_CHECK(block_size > 0 && slots % block_size == 0, "bad block_size");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table is (B, nblk)");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B, "context_lens is (B,)");
+  at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor tbl = block_table.contiguous(), lens = context_lens.contiguous();
+  const int64_t nblk = tbl.size(1), num_blocks = slots / block_size;
+  // The kernel trusts these: a bad id or length would read outside the cache.
+  const int64_t* tp = tbl.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] <= nblk * block_size, "context length ", lp[b], " exceeds the table");
+    for (int64_t j = 0; j * block_size < lp[b]; ++j)
+      TORCH_CHECK(tp[b * nblk + j] >= 0 && tp[b * nblk + j] < num_blocks, "block id ",
+                  tp[b * nblk + j], " out of range");
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    dispatch<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1),
+                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp,
+                         out.data_ptr<float>(), B, H, Hkv, D, nblk, block_size);
+  } else {
+    auto u16 = [](const at::Tensor& t) {
+      return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+    };
+    dispatch<uint16_t>(u16(qc), qc.stride(0), qc.stride(1), u16(k_cache), u16(v_cache), tp,
+                            lp, u16(out), B, H, Hkv, D, nblk, block_size);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kestrel, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor context_lens, int block_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kestrel, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
