@@ -23,8 +23,8 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
-    why = load_group_gemv(tmp_path_factory.mktemp("kernels"))
+def kernel(cache_dir: Path) -> None:
+    why = load_group_gemv(cache_dir)  # the runners' own build, made once per cache dir
     if why is not None:
         pytest.skip(f"the group_gemv kernel is not available here: {why}")
 
