@@ -16,6 +16,7 @@ outside (block manager), and arrives here as block tables.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from engine_worker.model.llama import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
 from engine_worker.paged_attention import load_paged_attention
 from engine_worker.quant import QuantReport, quantize_model, weight_bytes
+from engine_worker.quant_group import load_group_gemv
 
 # From this many rows GGUF-native layers run a bfloat16 copy through oneDNN: the packed INT4
 # kernel is 2-3x slower at 16 rows, the group-wise INT8 head (one kernel call per 32 inputs)
@@ -68,7 +70,9 @@ class ModelRunner:
         """gguf_path: serve that file's own quantized blocks (model_path then only supplies
         config.json); `dtype` is the activations' and KV cache's, `quantization` must be none.
         paged_attention: "auto" reads decode contexts in place with the C++ kernel where it
-        builds (kept in kernel_cache_dir, default ~/.cache/kestrel), "gather" copies them."""
+        builds, "gather" copies them. kernel_cache_dir: where our C++ kernels are built once per
+        host (default: the worker's cache dir); without a compiler they are not used and torch's
+        kernels (and the gather) serve instead."""
         if num_threads is not None:
             # Process-wide by nature; torch's default (one per physical core) is usually right.
             torch.set_num_threads(num_threads)
@@ -92,12 +96,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
+        cache_dir = kernel_cache_dir or Path(os.environ.get("KESTREL_CACHE_DIR",
+                                                            default_cache_dir()))
+        # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
+        native_q8 = self.device.type == "cpu" and load_group_gemv(cache_dir) is None
         if gguf_path is not None:
             if quantization != "none" or dtype != torch.float32:
                 raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
             self.model = load_gguf_model(gguf_path, cfg, self.device,
                                          max_positions=max_model_len,
-                                         dense_min_rows=dense_min_rows)
+                                         dense_min_rows=dense_min_rows, native_q8=native_q8)
             self.quant = QuantReport("gguf", weight_bytes(self.model), weight_bytes(self.model))
         else:
             self.model = load_model(Path(model_path), dtype, self.device,
@@ -106,12 +114,12 @@ class ModelRunner:
             # head is INT8 per group of 32, as the GGUF path's Q8_0 head: an INT4 head and a
             # per-channel INT8 head (tried) turn SmolLM2's "The capital of France is Paris."
             # into "L'Étoile, ..." (tests/e2e); a float32 head cost 4.5 ms a step.
-            self.quant = quantize_model(self.model, quantization, group_size)
+            self.quant = quantize_model(self.model, quantization, group_size,
+                                        native_q8=native_q8)
         self.config = self.model.config
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
-        self.paged_attention = load_paged_attention(
-            paged_attention, self.device, dtype,
-            kernel_cache_dir if kernel_cache_dir is not None else Path(default_cache_dir()))
+        self.paged_attention = load_paged_attention(paged_attention, self.device, dtype,
+                                                    cache_dir)
         self.set_paged_attention(self.paged_attention.enabled)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)

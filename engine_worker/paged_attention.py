@@ -6,42 +6,29 @@ Data flow:
       -> mode "gather", a non-CPU device, a dtype other than float32/bfloat16, no C++ compiler
          or ninja, or a failed build: PagedAttention(enabled=False, reason) and one log line;
          the model keeps the gather path (a contiguous copy of each context, then SDPA)
-      -> else <cache_dir>/kernels/paged_attention-<torch version>-<hash>/ (hash: source, flags,
-         CPU features) holds the built library? load it (milliseconds). If not, log
-         "compiling ... (one time, ~N s)" and build it there with torch.utils.cpp_extension
-         (-O3 -march=native: this host's AVX512 or AVX2)
-      -> the library registers torch.ops.kestrel.paged_decode_attention (C++, TORCH_LIBRARY);
+      -> else engine_worker/kernel_build.py loads the library built for this host and torch
+         under <cache_dir>/kernels/ (milliseconds), building it there the first time (logged:
+         "compiling the paged_attention kernel (one time, ~15 s)")
+      -> the library registers torch.ops.kestrel.paged_decode_attention (C++);
          its fake (shape-only) implementation is registered here, so torch.compile traces it
     Attention's decode then calls `paged_decode_attention(q, k_cache, v_cache, table, lens, bs)`
     -> (B, H, D), reading K and V where they sit in the cache (csrc/paged_attention.cpp).
-
-The source hash and torch version key the folder, so an edited kernel or another torch builds
-anew and never loads a stale library; `-march=native` is safe because the host that builds is
-the host that runs it: the key also hashes the CPU's feature flags, so a cache dir shared by
-hosts with different CPUs builds once per kind of CPU.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from engine_worker.kernel_build import KernelUnavailable, compiler_missing, load_kernel
+
 log = logging.getLogger("kestrel.paged_attention")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 MODES = ("auto", "gather")
-# -fopenmp: at::parallel_for is a header template that splits work with `omp parallel`; without
-# it the kernel would run on one thread. It links libgomp.so.1, which torch has already loaded.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 BUILD_SECONDS = 15  # the first build took 9 s on a shared 2-core host; the log line says ~15
 
 
@@ -53,77 +40,16 @@ class PagedAttention:
     reason: str
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags (Linux), so that a cache dir shared by hosts of different CPUs
-    (a network volume) never hands an AVX512 build to an AVX2-only host."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
-
-
-def _source_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
-    h.update(_cpu_flags().encode())
-    return f"{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
-
-
-def build_dir(cache_dir: Path) -> Path:
-    return Path(cache_dir) / "kernels" / f"paged_attention-{_source_key()}"
-
-
-def compiler_missing() -> str | None:
-    """Why the kernel cannot be built here (no C++ compiler or ninja), or None if it can."""
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx!r} not found)"
-    from torch.utils.cpp_extension import is_ninja_available
-
-    return None if is_ninja_available() else "ninja not found"
-
-
-STALE_LOCK_S = 600  # a build lock this old was left by a killed build: torch would wait forever
-
-
-def _loaded() -> bool:
-    try:
-        torch.ops.kestrel.paged_decode_attention  # noqa: B018 (raises if not registered)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+def _load(cache_dir: str) -> None:
+    """Build (first time on this host) and load the library, register its fake implementation."""
+    load_kernel("paged_attention", cache_dir, "paged_decode_attention", BUILD_SECONDS)
+    _register_fake()
 
 
 @cache
-def _load(cache_dir: str) -> None:
-    """Build (first time) and load the library, register its fake implementation. Once per
-    process: the op registry is process-wide, and a second registration would raise."""
-    if _loaded():
-        return
-    folder = build_dir(Path(cache_dir))
-    lock = folder / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    name = f"kestrel_paged_attention_{_source_key().rsplit('-', 1)[1]}"
-    lib = folder / f"{name}.so"
-    if lib.is_file() and not lock.exists():
-        torch.ops.load_library(str(lib))
-    else:
-        from torch.utils.cpp_extension import load
-
-        log.info("compiling the paged attention kernel (one time, ~%d s) into %s",
-                 BUILD_SECONDS, folder)
-        t0 = time.monotonic()
-        folder.mkdir(parents=True, exist_ok=True)
-        # is_python_module=False: the .so only registers torch ops (torch.ops.load_library)
-        load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-             extra_ldflags=["-fopenmp"],
-             build_directory=str(folder), is_python_module=False, verbose=False)
-        log.info("paged attention kernel built in %.1f s", time.monotonic() - t0)
+def _register_fake() -> None:
+    """Once per process (the op registry is process-wide; a second registration would raise),
+    whichever cache dir the library came from."""
 
     @torch.library.register_fake("kestrel::paged_decode_attention")
     def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -149,8 +75,8 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
     if reason is None:
         try:
             _load(str(cache_dir))
-        except Exception as e:  # a failed build must not stop the worker: gather still works
-            reason = f"the kernel failed to build or load: {type(e).__name__}: {e}"
+        except KernelUnavailable as e:  # a failed build must not stop the worker: gather works
+            reason = str(e)
     if reason is not None:
         log.info("decode attention gathers each context into a copy: %s", reason)
         return PagedAttention(False, reason)

@@ -6,33 +6,67 @@ embedding (`Int8GroupEmbedding`) reads the same buffers, so the LM head and the 
 SmolLM2 share one INT8 copy (28 MiB instead of 113 MiB of float32).
 
 Codes are stored group-major, (G, N, 32): each group's codes are one contiguous (N, 32) matrix,
-which is what torch's per-channel INT8 kernel (`_weight_int8pack_mm`) takes. Kernels by rows:
+which is what torch's per-channel INT8 kernel (`_weight_int8pack_mm`) takes; row-major (N, K)
+when the native kernel serves the layer. Kernels by rows:
   - few rows (decode, <= `dense_min_rows` - 1): one `_weight_int8pack_mm` per group with that
     group's scales as the per-channel scales, partial sums added in float32. Exact in the codes;
     reads 1 byte a weight.
   - many rows: a dense bfloat16 copy (2 bytes a weight, kept only when `dense_min_rows` is set)
     through oneDNN: per group the kernel above re-reads x, so at 16 rows it is ~4x slower.
   - fallback (other devices, float32 exact mode): dequantize, then F.linear.
-Scales are kept in float32 (fp16 -> float32 is exact), plus a bfloat16 copy for the kernel.
+  - native (where `load_group_gemv` built it): up to 8 rows, our C++ loop over row-major codes
+    (csrc/group_gemv.cpp), which reads each byte once: ~1.5x torch's per-group kernel for the
+    SmolLM2 head at one row, ~4x at two (measured, benchmarks/bench_group_gemv.py).
+Scales are kept in float32 (fp16 -> float32 is exact), plus a bfloat16 copy for torch's kernel.
 """
 
 from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_worker.kernel_build import KernelUnavailable, load_kernel
+
+log = logging.getLogger("kestrel.quant")
+
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
 GROUP = 32
+NATIVE_MAX_ROWS = 8  # the C++ kernel's limit (csrc/group_gemv.cpp)
+
+
+def load_group_gemv(cache_dir: Path) -> str | None:
+    """Build/load the C++ few-row Q8_0 kernel (engine_worker/kernel_build.py) and register its
+    shape-only implementation for torch.compile; None when ready, else why it is not (logged)."""
+    try:
+        load_kernel("group_gemv", str(cache_dir), "q8_group_mm")
+    except KernelUnavailable as e:
+        log.info("Q8_0 layers use torch's per-group INT8 kernel: %s", e)
+        return str(e)
+    _register_fake()
+    return None
+
+
+@cache
+def _register_fake() -> None:
+    @torch.library.register_fake("kestrel::q8_group_mm")
+    def _fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], codes.shape[0])  # (M, N)
 
 
 class Int8GroupLinear(nn.Module):
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, *, use_kernel: bool | None = None,
-        dense_min_rows: int = 0,
+        dense_min_rows: int = 0, native: bool = False,
     ) -> None:
         """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
-        dense_min_rows > 0 keeps a bfloat16 copy used from that many rows up (kernel mode)."""
+        dense_min_rows > 0 keeps a bfloat16 copy used from that many rows up (kernel mode).
+        native: few rows go through our C++ kernel (`kestrel::q8_group_mm`, loaded by the
+        caller with `load_group_gemv`), which reads the codes row-major, as given."""
         super().__init__()
         n, k = codes.shape
         if k % GROUP or scales.shape != (n, k // GROUP):
@@ -41,18 +75,25 @@ class Int8GroupLinear(nn.Module):
         if use_kernel is None:
             use_kernel = _INT8_MM is not None and codes.device.type == "cpu"
         self.out_features, self.in_features, self.groups = n, k, k // GROUP
-        self.use_kernel = use_kernel
-        g_codes = codes.view(n, self.groups, GROUP).transpose(0, 1).contiguous()  # (G, N, 32)
-        self.register_buffer("codes", g_codes)
-        self.register_buffer("scales", scales.float().t().contiguous())  # (G, N) float32
-        self.register_buffer("scales_bf16", self.scales.to(torch.bfloat16) if use_kernel else None)
-        self.dense_min_rows = dense_min_rows if use_kernel else 0
+        self.native = native and codes.device.type == "cpu"
+        self.use_kernel = use_kernel or self.native
+        if self.native:  # row-major, as the C++ kernel reads them
+            self.register_buffer("codes", codes.contiguous())  # (N, K)
+            self.register_buffer("scales", scales.float().contiguous())  # (N, G) float32
+            self.register_buffer("scales_bf16", None)
+        else:  # group-major: each group's (N, 32) codes one matrix for torch's kernel
+            g_codes = codes.view(n, self.groups, GROUP).transpose(0, 1).contiguous()  # (G, N, 32)
+            self.register_buffer("codes", g_codes)
+            self.register_buffer("scales", scales.float().t().contiguous())  # (G, N) float32
+            self.register_buffer("scales_bf16",
+                                 self.scales.to(torch.bfloat16) if use_kernel else None)
+        self.dense_min_rows = dense_min_rows if self.use_kernel else 0
         self.register_buffer(
             "dense", self.dequantize(torch.bfloat16) if self.dense_min_rows else None)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, *, use_kernel: bool | None = None,
-                   dense_min_rows: int = 0) -> Int8GroupLinear:
+                   dense_min_rows: int = 0, native: bool = False) -> Int8GroupLinear:
         """Q8_0's own rule on a float (N, K) matrix: per group of 32, scale = max|w| / 127 (stored
         as float16, as a Q8_0 file would), codes = round(w / scale), rounded against the stored
         scale. The INT4 mode's head: 1 byte a weight, ~2x the error of per-row INT8 spread over
@@ -63,15 +104,24 @@ class Int8GroupLinear(nn.Module):
         w = weight.detach().float().view(n, k // GROUP, GROUP)  # (N, G, 32)
         scales = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12).half().float()  # (N, G)
         codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
-        return cls(codes, scales, use_kernel=use_kernel, dense_min_rows=dense_min_rows)
+        return cls(codes, scales, use_kernel=use_kernel, dense_min_rows=dense_min_rows,
+                   native=native)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights: codes times their group's float32 scale, then cast."""
+        n, k, g = self.out_features, self.in_features, self.groups
+        if self.native:
+            w = self.codes.view(n, g, GROUP).float() * self.scales[..., None]  # (N, G, 32)
+            return w.view(n, k).to(dtype)
         w = self.codes.float() * self.scales[..., None]  # (G, N, 32)
-        return w.transpose(0, 1).reshape(self.out_features, self.in_features).to(dtype)
+        return w.transpose(0, 1).reshape(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (n,) of the dequantized matrix: (n, K), for an embedding lookup."""
+        if self.native:
+            c = self.codes.index_select(0, ids).view(-1, self.groups, GROUP).float()  # (n,G,32)
+            s = self.scales.index_select(0, ids)[..., None]  # (n, G, 1)
+            return (c * s).view(ids.shape[0], self.in_features).to(dtype)
         c = self.codes.index_select(1, ids).float()  # (G, n, 32)
         s = self.scales.index_select(1, ids)[..., None]  # (G, n, 1)
         return (c * s).transpose(0, 1).reshape(ids.shape[0], self.in_features).to(dtype)
@@ -82,6 +132,11 @@ class Int8GroupLinear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype))
         if self.dense is not None and m >= self.dense_min_rows:
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+        if self.native:
+            if m > NATIVE_MAX_ROWS:  # prefill without a dense copy: one transient bf16 matrix
+                return F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
+            y = torch.ops.kestrel.q8_group_mm(x.float().contiguous(), self.codes, self.scales)
+            return y.to(x.dtype)  # (M, N)
         xg = x.to(torch.bfloat16).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
         acc = torch.zeros(m, self.out_features, dtype=torch.float32, device=x.device)  # (M, N)
         for g in range(self.groups):  # (M, 32) @ (32, N) per group, scaled per output channel
@@ -90,7 +145,8 @@ class Int8GroupLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={GROUP}, "
-                f"kernel={self.use_kernel}, dense_min_rows={self.dense_min_rows}")
+                f"kernel={self.use_kernel}, native={self.native}, "
+                f"dense_min_rows={self.dense_min_rows}")
 
 
 class Int8GroupEmbedding(nn.Module):

@@ -128,7 +128,7 @@ def dequant(b: Blocks) -> np.ndarray:
 
 
 def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_kernel: bool,
-              dense_min_rows: int) -> nn.Module:
+              dense_min_rows: int, native_q8: bool = False) -> nn.Module:
     """Blocks -> a layer computing x @ w.T (INT4/INT8 for quantized kinds, Linear for float)."""
     codes = torch.from_numpy(np.ascontiguousarray(b.codes)).to(device)
     if b.kind == "int4":
@@ -143,7 +143,7 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
         return layer
     if b.kind == "int8":
         return Int8GroupLinear(codes, torch.from_numpy(b.scale).to(device), use_kernel=use_kernel,
-                               dense_min_rows=dense_min_rows)
+                               dense_min_rows=dense_min_rows, native=native_q8 and use_kernel)
     n, k = codes.shape
     lin = Linear(k, n, bias=False, device="meta")
     lin.weight = nn.Parameter(codes.to(torch.float32), requires_grad=False)
@@ -153,10 +153,11 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
 def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
-    use_kernel: bool | None = None, dense_min_rows: int = 0,
+    use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
-    packed layers compute in `compute_dtype`. Logs progress every few layers."""
+    packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
+    `native_q8` (loaded by the caller: quant_group.load_group_gemv). Logs progress."""
     import gguf
 
     device = torch.device(device)
@@ -173,7 +174,7 @@ def load_gguf_model(
     q_order = unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
     k_order = unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     def mk(b: Blocks) -> nn.Module:
-        return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows)
+        return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows, native_q8)
 
     for i, layer in enumerate(model.model.layers):
         parts: dict[str, list[Blocks]] = {}
