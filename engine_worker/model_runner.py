@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine_worker.compiled_step import COMPILE_MODES, CompiledDecode
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import AttnMeta, PrefillSpan
@@ -60,6 +61,9 @@ class ModelRunner:
         group_size: int = 32,
         gguf_path: Path | None = None,
         dense_min_rows: int = DENSE_ROWS,
+        compile_mode: str = "off",
+        max_num_seqs: int = 32,
+        cache_dir: Path | None = None,
     ) -> None:
         """gguf_path: serve that file's own quantized blocks (model_path then only supplies
         config.json); `dtype` is the activations' and KV cache's, `quantization` must be none."""
@@ -103,7 +107,17 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, group_size,
                                         lm_head=quantization != "int4")
         self.config = self.model.config
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
+        # One block more than the block manager is told of: the scratch block, where padded
+        # rows of a compiled decode write their K/V (block ids 0..num_blocks-1 are live ones).
+        self.scratch_block = num_blocks
+        self.kv_cache = KVCache(self.config, num_blocks + 1, block_size, dtype, self.device)
+        self.compiled: CompiledDecode | None = None
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, not {compile_mode!r}")
+        if compile_mode == "decode":
+            if cache_dir is None:
+                raise ValueError("compile_mode decode needs a cache_dir for Inductor's caches")
+            self.compiled = CompiledDecode(self, max_num_seqs, cache_dir)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
 
@@ -113,6 +127,8 @@ class ModelRunner:
         rows for all its tokens when `item.all_logits`, in item order."""
         if not items:
             raise ValueError("execute needs at least one item")
+        if self.compiled is not None and self.compiled.supports(items):
+            return self.compiled.run(items)  # (B, V): same rows as the eager path
         ids, positions, meta, rows = self._prepare(items)
         return self.model(ids, positions, meta, self.kv_cache, rows)
 
