@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kestrel.compile")
 
 COMPILE_MODES = ("off", "decode")
+MIN_CONTEXT = 256  # tokens: the smallest context bucket
 
 
 def pow2_at_least(n: int, cap: int) -> int:
@@ -52,6 +54,18 @@ def pow2_at_least(n: int, cap: int) -> int:
     while p < n:
         p *= 2
     return min(p, cap)
+
+
+def _own_code(method: Callable[..., torch.Tensor], tag: int) -> Callable[..., torch.Tensor]:
+    """`method` bound to its object again, over a copy of its code object. Dynamo keeps its
+    graphs and guards per code object; without guards on the modules (see CompiledDecode),
+    two instances sharing `_forward`'s code (a test's eager/compiled pair of runners, two
+    models in one process) would run each other's graphs."""
+    fn = method.__func__  # type: ignore[attr-defined]
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag:x}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
 
 
 def set_cache_dir(cache_dir: Path) -> Path:
@@ -78,18 +92,31 @@ class CompiledDecode:
     """Bucketed compiled decode graphs over one runner's model and KV cache."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, cache_dir: Path,
-                 options: dict[str, object] | None = None) -> None:
+                 options: dict[str, object] | None = None, kernel_rows: int = 0) -> None:
+        """kernel_rows: the row count from which layers switch kernels (GGUF-native layers'
+        dense_min_rows; 0: none). It is made a batch bucket edge: a batch below it is never
+        padded up to it, so a padded step runs the same kernels as the eager one."""
         self.runner = runner
         self.bs = runner.block_size
         self.scratch = runner.scratch_block  # block id never handed out: padded rows write here
         self.max_batch = pow2_at_least(max_num_seqs, 1 << 30)
+        self.kernel_rows = kernel_rows
         self.max_nblk = -(-runner.max_model_len // self.bs)
+        # Contexts below MIN_CONTEXT tokens share one bucket: attention over a few hundred
+        # masked columns costs little, a graph per small size costs a compile each.
+        self.min_nblk = max(1, MIN_CONTEXT // self.bs)
         self.cache = set_cache_dir(cache_dir)
-        # Measured (issue 10): cpp_wrapper cut no time per step here; freezing folds weights
-        # as constants, which would copy the packed INT4 layouts into the graph. Both off.
-        self.options = dict(options or {})
-        self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True,
-                                 options=self.options or None)
+        # Measured (issue 10, SmolLM2 GGUF-native, batch 1, 1 thread): dynamo's guards on
+        # every module attribute cost ~1 ms a call, ~0.12 ms without them; the modules never
+        # change after loading, so only guards on the inputs (tensors, bucket ints) are kept.
+        # Inductor's cpp_wrapper gained ~1 ms a step more but doubled the first compile
+        # (92 s against 45 s a bucket), so it is left to `options`.
+        self.options: dict[str, object] = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            **(options or {}),
+        }
+        self._fn = torch.compile(_own_code(self._forward, id(self)), dynamic=False,
+                                 fullgraph=True, options=self.options)
         # every bucket is its own graph: let dynamo keep all of them
         n = len(self.batch_buckets()) * len(self.ctx_buckets())
         limit = torch._dynamo.config.recompile_limit
@@ -97,21 +124,24 @@ class CompiledDecode:
         self.compiled: set[tuple[int, int]] = set()
 
     def batch_buckets(self) -> list[int]:
-        out, b = [], 1
+        out, b = {self.max_batch}, 1
         while b < self.max_batch:
-            out.append(b)
+            out.add(b)
             b *= 2
-        return [*out, self.max_batch]
+        if 1 < self.kernel_rows <= self.max_batch:
+            out.add(self.kernel_rows - 1)
+        return sorted(out)
 
     def ctx_buckets(self) -> list[int]:
-        out, n = [], 1
+        out, n = [], min(self.min_nblk, self.max_nblk)
         while n < self.max_nblk:
             out.append(n)
             n *= 2
         return [*out, self.max_nblk]
 
     def bucket(self, b: int, nblk: int) -> tuple[int, int]:
-        return pow2_at_least(b, self.max_batch), pow2_at_least(nblk, self.max_nblk)
+        return (next(x for x in self.batch_buckets() if x >= b),
+                pow2_at_least(max(nblk, self.min_nblk), self.max_nblk))
 
     def supports(self, items: list[StepItem]) -> bool:
         """One-token decodes only (prefill chunks and verification stay eager), within buckets."""
@@ -158,6 +188,10 @@ class CompiledDecode:
         return self._fn(packed, bp, nblk)[: len(items)]
 
     def _note_compile(self, bp: int, nblk: int, call: Callable[[], object]) -> None:
+        """Run the bucket's first call (a compile, or a load from the on-disk cache), logged."""
+        log.info("compiling decode graph: batch %d, context %d tokens (%d of %d buckets)",
+                 bp, nblk * self.bs, len(self.compiled) + 1,
+                 len(self.batch_buckets()) * len(self.ctx_buckets()))
         t0 = time.monotonic()
         call()
         self.compiled.add((bp, nblk))
@@ -170,11 +204,10 @@ class CompiledDecode:
         logging one line per bucket. Writes only the scratch block. Returns seconds taken."""
         t0 = time.monotonic()
         todo = [bk for bk in buckets if bk not in self.compiled]
-        for i, (bp, nblk) in enumerate(todo):
+        for bp, nblk in todo:
             sc = self.scratch
             packed = torch.tensor([0] * bp + [0] * bp + [sc * self.bs] * bp + [1] * bp
                                   + [sc] * (bp * nblk), dtype=torch.int64)
             packed = packed.to(self.runner.device)
-            log.info("compiling decode graph %d/%d", i + 1, len(todo))
             self._note_compile(bp, nblk, lambda p=packed, b=bp, n=nblk: self._fn(p, b, n))
         return time.monotonic() - t0

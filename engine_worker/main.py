@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=cfg.max_model_len or None,
         quantization=cfg.quantization,
         group_size=cfg.quant_group_size,
+        compile_mode=cfg.compile,
+        max_num_seqs=cfg.max_num_seqs,
+        cache_dir=Path(cfg.cache_dir),
     )
     from engine_worker.grammar import GrammarCompiler
     from engine_worker.speculative import build_spec_decoder

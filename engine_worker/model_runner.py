@@ -117,7 +117,9 @@ class ModelRunner:
         if compile_mode == "decode":
             if cache_dir is None:
                 raise ValueError("compile_mode decode needs a cache_dir for Inductor's caches")
-            self.compiled = CompiledDecode(self, max_num_seqs, cache_dir)
+            self.compiled = CompiledDecode(
+                self, max_num_seqs, cache_dir,
+                kernel_rows=dense_min_rows if gguf_path is not None else 0)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
 
