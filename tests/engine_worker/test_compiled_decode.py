@@ -133,7 +133,7 @@ def test_mixed_and_verification_steps_stay_eager(pair: tuple[ModelRunner, ModelR
     assert runner.compiled.supports([StepItem([1], 4, [0])])
     assert not runner.compiled.supports([StepItem([1], 4, [0]), StepItem([1, 2], 0, [1])])
     assert not runner.compiled.supports([StepItem([1], 4, [0], all_logits=True)])
-    assert not runner.compiled.supports([StepItem([1], 4, [0])] * 5)  # above max_num_seqs
+    assert not runner.compiled.supports([StepItem([1], 4, [0])] * 9)  # above max_num_seqs
 
 
 def test_compile_flag_is_validated() -> None:
