@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", default="off", choices=COMPILE_MODES,
+                    help="decode: compiled one-token steps (benchmarks/bench_compiled_decode.py "
+                         "compares them with eager side by side)")
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     path = resolve_checkpoint(args.model, cache)
@@ -274,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         kv_budget_bytes=1 << 30,
         num_threads=args.threads,
+        compile_mode=args.compile,
+        max_num_seqs=max(int(x) for x in args.batch.split(",")),
+        cache_dir=cache,
     )
     nblk = -(-(args.prompt + args.steps) // runner.block_size)
     for b in (int(x) for x in args.batch.split(",")):
@@ -283,14 +289,18 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         toks = runner.execute([StepItem(prompts[i], 0, tables[i]) for i in range(b)]).argmax(-1)
         prefill = time.perf_counter() - t0
+        if runner.compiled is not None:  # compile (or load) this batch's graphs untimed
+            ctx = range(args.prompt + 1, args.prompt + args.steps + 1)
+            runner.compiled.warm({runner.compiled.bucket(b, -(-n // runner.block_size))
+                                  for n in ctx})
         t0 = time.perf_counter()
         for s in range(args.steps):
             items = [StepItem([int(toks[i])], args.prompt + s, tables[i]) for i in range(b)]
             toks = runner.execute(items).argmax(-1)
         dt = time.perf_counter() - t0
         print(
-            f"{args.dtype}/{args.quantization} batch {b}: prefill {b}x{args.prompt} "
-            f"{prefill * 1e3:.0f} ms, decode "
+            f"{args.dtype}/{args.quantization}/compile {args.compile} batch {b}: prefill "
+            f"{b}x{args.prompt} {prefill * 1e3:.0f} ms, decode "
             f"{dt / args.steps * 1e3:.1f} ms/step, {b * args.steps / dt:.1f} tok/s",
             flush=True,
         )
