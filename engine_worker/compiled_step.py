@@ -69,13 +69,14 @@ def _own_code(method: Callable[..., torch.Tensor], tag: int) -> Callable[..., to
 
 
 def set_cache_dir(cache_dir: Path) -> Path:
-    """Point Inductor's on-disk caches (FX graph, AOTAutograd, generated C++) at cache_dir/
-    inductor, before anything compiles. Environment, because Inductor reads it there per
-    call; setdefault keeps an explicit TORCHINDUCTOR_CACHE_DIR."""
-    folder = Path(cache_dir) / "inductor"
+    """Point Inductor's on-disk caches (FX graph, AOTAutograd, built C++) at cache_dir/inductor
+    before anything compiles. Through the environment, which Inductor reads on every lookup;
+    unconditionally, because Inductor writes its /tmp default there itself on its first
+    lookup (a torch import may already have made one), so a value present says nothing."""
+    folder = Path(cache_dir).resolve() / "inductor"
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
 
 
 def compiler_available() -> bool:

@@ -74,9 +74,15 @@ class ModelRunner:
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
         cfg = load_config(Path(model_path))
-        num_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
-        if num_blocks == 0:
-            raise ValueError(f"KV budget of {kv_budget_bytes} bytes is less than one block")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, not {compile_mode!r}")
+        cache_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
+        # Compiled decodes pad their batch with rows that write K/V somewhere: the cache's last
+        # block, kept out of the ids the block manager hands out (0..num_blocks-1).
+        num_blocks = cache_blocks - (compile_mode == "decode")
+        if num_blocks <= 0:
+            need = "one block" if compile_mode == "off" else "two blocks (one for padding)"
+            raise ValueError(f"KV budget of {kv_budget_bytes} bytes is less than {need}")
         limit = min(cfg.max_position_embeddings, num_blocks * block_size)
         if cfg.sliding_window is not None:
             limit = min(limit, cfg.sliding_window)  # full attention is exact only within it
@@ -107,13 +113,9 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, group_size,
                                         lm_head=quantization != "int4")
         self.config = self.model.config
-        # One block more than the block manager is told of: the scratch block, where padded
-        # rows of a compiled decode write their K/V (block ids 0..num_blocks-1 are live ones).
-        self.scratch_block = num_blocks
-        self.kv_cache = KVCache(self.config, num_blocks + 1, block_size, dtype, self.device)
+        self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
+        self.kv_cache = KVCache(self.config, cache_blocks, block_size, dtype, self.device)
         self.compiled: CompiledDecode | None = None
-        if compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, not {compile_mode!r}")
         if compile_mode == "decode":
             if cache_dir is None:
                 raise ValueError("compile_mode decode needs a cache_dir for Inductor's caches")

@@ -7,6 +7,7 @@ context bucket edge mid-run. Inductor compiles each bucket here from an empty ca
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -140,3 +141,54 @@ def test_compile_flag_is_validated() -> None:
     assert WorkerConfig(compile="decode").compile == "decode"
     with pytest.raises(ValueError, match="compile must be one of"):
         WorkerConfig(compile="max-autotune")
+
+
+def test_inductor_cache_is_under_the_kestrel_cache_dir(
+    pair: tuple[ModelRunner, ModelRunner], cache: Path
+) -> None:
+    """So a second start finds the built graphs (Inductor's default is a /tmp folder)."""
+    _, runner = pair
+    assert runner.compiled is not None
+    runner.compiled.warm([runner.compiled.bucket(1, 1)])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((cache / "inductor").resolve())
+    assert any(p.is_file() for p in (cache / "inductor").rglob("*"))
+
+
+@torch.library.custom_op("kestrel_test::grouped_decode_attention", mutates_args=())
+def _custom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """Opaque to the compiler (a stand-in for a C++ kernel): (B, Hkv, G, D) out."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@_custom_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def test_compiled_decode_runs_a_registered_custom_attention_op(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attention's decode calling a registered custom op (with a fake implementation) compiles
+    into the graph as an extern call, and reads the K/V the same step wrote."""
+    from engine_worker.model.llama import Attention
+
+    def grouped(self: Attention, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, h, d = q.shape
+        assert mask is not None  # compiled steps always mask; eager here has ragged lengths
+        out = _custom_attention(q.view(b, self.hkv, h // self.hkv, d), kd, vd, mask)
+        return out.reshape(b, h, d)
+
+    monkeypatch.setattr(Attention, "_decode_grouped", grouped)
+    eager = _runner(tiny_dir, None, "off", tmp_path)
+    compiled = _runner(tiny_dir, None, "decode", tmp_path)
+    prompts, tables = [[5, 6, 7], [8, 9, 10, 11, 12]], [[1, 2], [3, 4]]
+    for r in (eager, compiled):
+        r.execute([StepItem(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    for step in range(8):
+        items = [StepItem([20 + step], len(p) + step, t)
+                 for p, t in zip(prompts, tables, strict=True)]
+        torch.testing.assert_close(compiled.execute(items), eager.execute(items),
+                                   atol=1e-4, rtol=1e-4)
+    assert compiled.compiled is not None and compiled.compiled.compiled
