@@ -2,9 +2,10 @@
 
 Data flow of `CompiledDecode.run(items)` (every item one token, no `all_logits`):
 
-    StepItems -> bucket (Bp, nblk_p): batch padded up to a power of two (<= max_num_seqs), block
-      tables padded up to a power-of-two block count (<= the longest a sequence may have)
-      -> one int64 buffer [ids | positions | slots | block tables | context lengths], fixed
+    StepItems -> bucket (Bp, nblk_p): batch padded up to the next batch bucket (powers of two
+      up to max_num_seqs rounded up, plus a GGUF layer's kernel switch edge), block tables
+      padded up to a power-of-two block count (>= MIN_CONTEXT tokens, <= max_model_len)
+      -> one int64 buffer [ids | positions | slots | context lengths | block tables], fixed
          layout per bucket, one host-to-device copy
       -> the bucket's compiled graph: mask (Bp, 1, 1, T) from the context lengths -> the
          model's own forward (embed -> layers -> norm -> head) over AttnMeta, K/V written in place
