@@ -46,9 +46,9 @@ class WorkerConfig:
                                   "SmolLM2, faster batches); 0 keeps only the packed blocks")
     compile: str = setting("off", "decode: run one-token decode steps through torch.compile "
                            "graphs (batch and context padded to power-of-two buckets, each "
-                           "compiled on first use, ~45 s a bucket on 2 cores, ~7 s from the "
-                           "on-disk cache under --cache-dir; ~25%% faster a step); off: eager "
-                           "(vLLM's --enforce-eager)")
+                           "compiled on first use: 40-100 s a bucket on 2 cores, ~5-10 s from "
+                           "the on-disk cache under --cache-dir; then 7-33%% faster a step, "
+                           "measured); off: eager (vLLM's --enforce-eager)")
     kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
     kv_cache_memory: str = setting("", "KV cache budget, overriding kv_cache_mb: bytes "
                                    "(2147483648, 2GiB, 512MB) or a fraction in (0, 1) of the "
