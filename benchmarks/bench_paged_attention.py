@@ -148,7 +148,7 @@ def main() -> None:
     for dtype_flag in a.dtype:
         dtype, gguf = resolve_dtype(dtype_flag, a.model, "none", path)
         runner = ModelRunner(path, dtype=getattr(torch, dtype), gguf_path=gguf,
-                             kv_budget_bytes=768 << 20, block_size=16, kernel_cache_dir=cache)
+                             kv_budget_bytes=768 << 20, block_size=16, cache_dir=cache)
         if not runner.paged_attention.enabled:
             raise SystemExit(f"kernel unavailable: {runner.paged_attention.reason}")
         print(f"--dtype {dtype_flag} ({'GGUF-native' if gguf else dtype} weights, "

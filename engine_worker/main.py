@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         quantization=cfg.quantization,
         group_size=cfg.quant_group_size,
         paged_attention=cfg.paged_attention,
-        kernel_cache_dir=Path(cfg.cache_dir),
+        compile_mode=cfg.compile,
+        max_num_seqs=cfg.max_num_seqs,
+        cache_dir=Path(cfg.cache_dir),
     )
     from engine_worker.grammar import GrammarCompiler
     from engine_worker.speculative import build_spec_decoder

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from engine_worker.compiled_step import COMPILE_MODES, CompiledDecode
 from engine_worker.config import default_cache_dir
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model.gguf_native import load_gguf_model
@@ -65,14 +66,16 @@ class ModelRunner:
         gguf_path: Path | None = None,
         dense_min_rows: int = DENSE_ROWS,
         paged_attention: str = "auto",
-        kernel_cache_dir: Path | None = None,
+        compile_mode: str = "off",
+        max_num_seqs: int = 32,
+        cache_dir: Path | None = None,
     ) -> None:
         """gguf_path: serve that file's own quantized blocks (model_path then only supplies
         config.json); `dtype` is the activations' and KV cache's, `quantization` must be none.
         paged_attention: "auto" reads decode contexts in place with the C++ kernel where it
-        builds, "gather" copies them. kernel_cache_dir: where our C++ kernels are built once per
-        host (default: the worker's cache dir); without a compiler they are not used and torch's
-        kernels (and the gather) serve instead."""
+        builds, "gather" copies them. cache_dir: where our C++ kernels are built once per host and
+        Inductor keeps its graphs (default: KESTREL_CACHE_DIR or ~/.cache/kestrel); without a
+        compiler the kernels are not used and torch's kernels (and the gather) serve instead."""
         if num_threads is not None:
             # Process-wide by nature; torch's default (one per physical core) is usually right.
             torch.set_num_threads(num_threads)
@@ -80,9 +83,15 @@ class ModelRunner:
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
         cfg = load_config(Path(model_path))
-        num_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
-        if num_blocks == 0:
-            raise ValueError(f"KV budget of {kv_budget_bytes} bytes is less than one block")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, not {compile_mode!r}")
+        cache_blocks = num_blocks_for_budget(cfg, kv_budget_bytes, block_size, dtype)
+        # Compiled decodes pad their batch with rows that write K/V somewhere: the cache's last
+        # block, kept out of the ids the block manager hands out (0..num_blocks-1).
+        num_blocks = cache_blocks - (compile_mode == "decode")
+        if num_blocks <= 0:
+            need = "one block" if compile_mode == "off" else "two blocks (one for padding)"
+            raise ValueError(f"KV budget of {kv_budget_bytes} bytes is less than {need}")
         limit = min(cfg.max_position_embeddings, num_blocks * block_size)
         if cfg.sliding_window is not None:
             limit = min(limit, cfg.sliding_window)  # full attention is exact only within it
@@ -96,8 +105,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
-        cache_dir = kernel_cache_dir or Path(os.environ.get("KESTREL_CACHE_DIR",
-                                                            default_cache_dir()))
+        cache_dir = cache_dir or Path(os.environ.get("KESTREL_CACHE_DIR", default_cache_dir()))
         # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
         native_q8 = self.device.type == "cpu" and load_group_gemv(cache_dir) is None
         if gguf_path is not None:
@@ -117,10 +125,16 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, group_size,
                                         native_q8=native_q8)
         self.config = self.model.config
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         self.paged_attention = load_paged_attention(paged_attention, self.device, dtype,
                                                     cache_dir)
         self.set_paged_attention(self.paged_attention.enabled)
+        self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
+        self.kv_cache = KVCache(self.config, cache_blocks, block_size, dtype, self.device)
+        self.compiled: CompiledDecode | None = None
+        if compile_mode == "decode":
+            self.compiled = CompiledDecode(
+                self, max_num_seqs, cache_dir,
+                kernel_rows=dense_min_rows if gguf_path is not None else 0)
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
 
@@ -138,6 +152,8 @@ class ModelRunner:
         rows for all its tokens when `item.all_logits`, in item order."""
         if not items:
             raise ValueError("execute needs at least one item")
+        if self.compiled is not None and self.compiled.supports(items):
+            return self.compiled.run(items)  # (B, V): same rows as the eager path
         ids, positions, meta, rows = self._prepare(items)
         return self.model(ids, positions, meta, self.kv_cache, rows)
 
@@ -271,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", default="off", choices=COMPILE_MODES,
+                    help="decode: compiled one-token steps (benchmarks/bench_compiled_decode.py "
+                         "compares them with eager side by side)")
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     path = resolve_checkpoint(args.model, cache)
@@ -283,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         kv_budget_bytes=1 << 30,
         num_threads=args.threads,
+        compile_mode=args.compile,
+        max_num_seqs=max(int(x) for x in args.batch.split(",")),
+        cache_dir=cache,
     )
     nblk = -(-(args.prompt + args.steps) // runner.block_size)
     for b in (int(x) for x in args.batch.split(",")):
@@ -292,14 +314,18 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         toks = runner.execute([StepItem(prompts[i], 0, tables[i]) for i in range(b)]).argmax(-1)
         prefill = time.perf_counter() - t0
+        if runner.compiled is not None:  # compile (or load) this batch's graphs untimed
+            ctx = range(args.prompt + 1, args.prompt + args.steps + 1)
+            runner.compiled.warm({runner.compiled.bucket(b, -(-n // runner.block_size))
+                                  for n in ctx})
         t0 = time.perf_counter()
         for s in range(args.steps):
             items = [StepItem([int(toks[i])], args.prompt + s, tables[i]) for i in range(b)]
             toks = runner.execute(items).argmax(-1)
         dt = time.perf_counter() - t0
         print(
-            f"{args.dtype}/{args.quantization} batch {b}: prefill {b}x{args.prompt} "
-            f"{prefill * 1e3:.0f} ms, decode "
+            f"{args.dtype}/{args.quantization}/compile {args.compile} batch {b}: prefill "
+            f"{b}x{args.prompt} {prefill * 1e3:.0f} ms, decode "
             f"{dt / args.steps * 1e3:.1f} ms/step, {b * args.steps / dt:.1f} tok/s",
             flush=True,
         )

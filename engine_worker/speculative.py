@@ -275,7 +275,7 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
             resolve_checkpoint(cfg.draft_model, Path(cfg.cache_dir)),
             dtype=runner.dtype, device=str(runner.device),
             kv_budget_bytes=cfg.kv_cache_mb * 2**20, block_size=cfg.block_size,
-            paged_attention=cfg.paged_attention, kernel_cache_dir=Path(cfg.cache_dir),
+            paged_attention=cfg.paged_attention, cache_dir=Path(cfg.cache_dir),
         )
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "

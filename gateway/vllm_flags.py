@@ -23,8 +23,10 @@ UNSUPPORTED: dict[str, str] = {
     "--kv-cache-memory-bytes": "use --kv-cache-memory BYTES (or a fraction)",
     "--swap-space": "there is no CPU swap space: a preempted sequence is recomputed",
     "--cpu-offload-gb": "weights are not offloaded",
-    "--enforce-eager": "kestrel always runs eagerly (no CUDA graphs)",
-    "--compilation-config": "kestrel does not compile the model", "-O": "no compilation levels",
+    "--enforce-eager": "eager is the default; --compile decode compiles one-token decode steps "
+                       "(torch.compile), --compile off is this flag",
+    "--compilation-config": "the only compile setting is --compile off|decode",
+    "-O": "no compilation levels; see --compile",
     "--trust-remote-code": "kestrel runs its own Llama-family code, never a checkpoint's code",
     "--tokenizer": _CHECKPOINT, "--tokenizer-mode": _CHECKPOINT, "--chat-template": _CHECKPOINT,
     "--load-format": _HUB, "--download-dir": _HUB, "--revision": _HUB, "--hf-token": _HUB,

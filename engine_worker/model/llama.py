@@ -134,7 +134,8 @@ def _k_splits(k: int, threads: int) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ w (N, K)^T + bias -> (M, N), through the fastest kernel we know for the case."""
-    if not _cpu_fast(w) or x.dtype != torch.float32:
+    if not _cpu_fast(w) or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        # compiled (engine_worker/compiled_step.py): Inductor picks the CPU kernel itself
         return F.linear(x, w, bias)
     n, k = w.shape
     s = _k_splits(k, torch.get_num_threads())

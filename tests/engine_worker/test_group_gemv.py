@@ -105,7 +105,7 @@ def test_runner_falls_back_when_no_kernel_can_be_built(
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q4_1, Q.Q8_0, cfg.num_heads,
                       cfg.num_kv_heads)
     runner = ModelRunner(tiny_dir, gguf_path=path, kv_budget_bytes=1 << 22,
-                         kernel_cache_dir=tmp_path)
+                         cache_dir=tmp_path)
     assert runner.model.lm_head.native is False  # type: ignore[union-attr]
     logits = runner.execute([StepItem([1, 2, 3], 0, [0])])
     assert logits.shape == (1, cfg.vocab_size) and bool(torch.isfinite(logits).all())
