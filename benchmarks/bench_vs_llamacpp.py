@@ -1,7 +1,7 @@
 """llama.cpp's llama-server against ours, same GGUF, same streaming load, alternating in one run.
 
     python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
-        [--ours auto,float32,int4] [--requests-1 4] [--requests-16 32]
+        [--ours auto,float32,int4,auto+compile] [--streams 1,16] [--requests-1 4] [--requests-16 32]
 
 Data flow: for each round, for each server (llama-server if a binary is given, then ours in
 each mode of --ours; the order flips every round so neither always runs on a warmer machine):
@@ -46,10 +46,12 @@ def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess
 
 
 def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
-    """mode: a --dtype (auto, float32, ...) or int8/int4 (--quantization, float32 activations)."""
+    """mode: a --dtype (auto, float32, ...) or int8/int4 (--quantization, float32 activations),
+    with "+compile" for --compile decode (e.g. auto+compile)."""
+    mode, plus, _ = mode.partition("+compile")
     quant = mode if mode in ("int8", "int4") else "none"
     env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": "auto" if quant != "none" else mode,
-           "KESTREL_QUANTIZATION": quant,
+           "KESTREL_QUANTIZATION": quant, "KESTREL_COMPILE": "decode" if plus else "off",
            "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
@@ -80,7 +82,10 @@ def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int) -> d
              "--mode", "closed", "--concurrency", str(streams), "--num-requests", str(requests),
              "--prompt-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
              "--tokenizer-json", str(tokenizer), "--seed", str(seed),
-             "--timeout", "600", "--no-progress", "--no-records", "--out", str(out)],
+             # a new connection per request for both servers: llama-server closes idle
+             # keep-alive connections as the client reuses them (a third of requests failed)
+             "--timeout", "600", "--no-keepalive", "--no-progress", "--no-records",
+             "--out", str(out)],
             cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         data = json.loads(out.read_text())
     return data.get("summary", data)
@@ -92,9 +97,10 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
         t0 = time.monotonic()
         wait_ready(url, proc)
         print(f"  {name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
-        load(url, 1, 1, tokenizer, seed + 7)  # warm-up, not counted
+        load(url, 1, 1, tokenizer, seed + 7)  # warm-up (a compiled worker compiles), not counted
         one = load(url, 1, args.requests_1, tokenizer, seed)
-        many = load(url, 16, args.requests_16, tokenizer, seed + 1)
+        many = load(url, 16, args.requests_16, tokenizer, seed + 1) if 16 in args.streams \
+            else {"output_throughput": None, "num_requests": 0, "completed": 0}
     finally:
         proc.terminate()
         try:
@@ -117,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ours", default="auto,float32,int4",
                     help="ours to run: --dtype values, or int8/int4 for --quantization")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--streams", default="1,16", type=lambda v: {int(x) for x in v.split(",")},
+                    help="1,16 or 1: skip the 16-stream load (a compiled worker would compile a "
+                         "graph per batch size on the way, minutes each)")
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--requests-1", type=int, default=4)
     ap.add_argument("--requests-16", type=int, default=32)
@@ -127,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf or embedded_gguf_path()
     cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
-    servers: list[str] = [f"ours --quantization {d}" if d in ("int8", "int4") else
+    servers: list[str] = [f"ours --quantization {d}" if d.split("+")[0] in ("int8", "int4") else
                           f"ours --dtype {d}" for d in args.ours.split(",") if d]
+    servers = [s.replace("+compile", " --compile decode") for s in servers]
     if args.llama_server is None:
         print("llama-server: skipped (no --llama-server PATH given)", flush=True)
     elif not args.llama_server.is_file():
@@ -144,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "llama-server":
                 proc = start_llama(args.llama_server, gguf, args.threads, port)
             else:
-                proc = start_ours(name.rsplit(" ", 1)[1], args.gguf, port)
+                mode = name.split()[2] + ("+compile" if name.endswith("decode") else "")
+                proc = start_ours(mode, args.gguf, port)
             results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
     rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
             ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),

@@ -289,10 +289,12 @@ def _quantize(
     if mode == "int8g32" and b is None and w.shape[1] % GROUP == 0:
         report.group_sizes[name] = GROUP
         return Int8GroupLinear.from_float(w, use_kernel=kw.get("use_kernel"),  # type: ignore[arg-type]
-                                          native=bool(kw.get("native_q8")))
+                                          native=bool(kw.get("native_q8")),
+                                          dense_min_rows=int(kw.get("head_dense_rows", 0)))
     if mode in ("int8", "int8g32"):
         report.group_sizes[name] = 0
-        kw8 = {k: v for k, v in kw.items() if k not in ("clip_search", "native_q8")}
+        kw8 = {k: v for k, v in kw.items()
+               if k not in ("clip_search", "native_q8", "head_dense_rows")}
         return Int8Linear.from_float(w, b, **kw8)  # type: ignore[arg-type]
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
@@ -303,7 +305,7 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    kw4 = {k: v for k, v in kw.items() if k != "native_q8"}  # the head's option only
+    kw4 = {k: v for k, v in kw.items() if k not in ("native_q8", "head_dense_rows")}
     return Int4GroupLinear.from_float(w, b, group_size=g, **kw4)  # type: ignore[arg-type]
 
 
@@ -312,6 +314,7 @@ def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, *, lm_head: bool = True,
     head_mode: str | None = None, compute_dtype: torch.dtype | None = None,
     use_kernel: bool | None = None, clip_search: bool = False, native_q8: bool = False,
+    head_dense_rows: int = 0,
 ) -> QuantReport:
     """Swap the model's projections for quantized ones in place (after loading; init_rope
     already done). mode: none | int8 | int4. lm_head: quantize the head too (and, if tied, the
@@ -327,6 +330,8 @@ def quantize_model(
     kw: dict[str, object] = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
     if native_q8:  # the group-wise INT8 head through our C++ kernel (load_group_gemv first)
         kw["native_q8"] = True
+    if head_dense_rows:  # and a bfloat16 copy of it from that many rows (as the GGUF path)
+        kw["head_dense_rows"] = head_dense_rows
     if mode == "int4":  # off by default: 19 passes over the weights made a loaded 2-core
         kw["clip_search"] = clip_search  # host's INT4 worker start exceed 3 minutes
     targets = [(n, m) for n, m in model.named_modules()

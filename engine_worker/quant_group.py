@@ -37,6 +37,9 @@ log = logging.getLogger("kestrel.quant")
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
 GROUP = 32
 NATIVE_MAX_ROWS = 8  # the C++ kernel's limit (csrc/group_gemv.cpp)
+# Without a dense copy, up to this many rows run the kernel 8 rows at a time (each call reads
+# the codes once; a decode batch); more (a prefill chunk) dequantize once to bfloat16 instead.
+NATIVE_CHUNKED_ROWS = 32
 
 
 def load_group_gemv(cache_dir: Path) -> str | None:
@@ -133,10 +136,13 @@ class Int8GroupLinear(nn.Module):
         if self.dense is not None and m >= self.dense_min_rows:
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
         if self.native:
-            if m > NATIVE_MAX_ROWS:  # prefill without a dense copy: one transient bf16 matrix
+            if m > NATIVE_CHUNKED_ROWS:  # prefill without a dense copy: one transient bf16 matrix
                 return F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
-            y = torch.ops.kestrel.q8_group_mm(x.float().contiguous(), self.codes, self.scales)
-            return y.to(x.dtype)  # (M, N)
+            xf = x.float().contiguous()
+            ys = [torch.ops.kestrel.q8_group_mm(xf[i : i + NATIVE_MAX_ROWS], self.codes,
+                                                self.scales)
+                  for i in range(0, m, NATIVE_MAX_ROWS)]  # (<=8, N) each
+            return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)  # (M, N)
         xg = x.to(torch.bfloat16).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
         acc = torch.zeros(m, self.out_features, dtype=torch.float32, device=x.device)  # (M, N)
         for g in range(self.groups):  # (M, 32) @ (32, N) per group, scaled per output channel

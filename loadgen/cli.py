@@ -73,6 +73,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extra-body", type=_arg_type(_json_object), default={}, metavar="JSON",
                    help='extra request fields, e.g. \'{"temperature": 0}\'')
     g.add_argument("--timeout", type=float, default=300.0, help="per-request seconds")
+    g.add_argument("--no-keepalive", action="store_true",
+                   help="a new connection per request: for servers that close idle keep-alive "
+                        "connections just as the client reuses one (llama.cpp's llama-server "
+                        "failed a third of 16-stream requests so, 'Can not write request body')")
 
     g = p.add_argument_group("load shape")
     g.add_argument("--burstiness", type=float, default=1.0,
@@ -170,7 +174,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         mode=getattr(args, "mode", "open"), rate=getattr(args, "rate", 1.0),
         concurrency=getattr(args, "concurrency", 1), num_requests=num, duration_s=args.duration,
         workload=workload, ignore_eos=not args.no_ignore_eos, seed=args.seed,
-        timeout_s=args.timeout, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        timeout_s=args.timeout, keepalive=not args.no_keepalive,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         extra_body=args.extra_body, progress=not args.no_progress,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         stream=not args.no_stream, warmup=args.warmup, percentiles=args.percentiles)

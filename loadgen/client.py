@@ -23,9 +23,11 @@ from loadgen.record import RequestRecord, error_text
 from loadgen.sse import SSEParser
 
 
-def new_session(timeout_s: float) -> aiohttp.ClientSession:
+def new_session(timeout_s: float, keepalive: bool = True) -> aiohttp.ClientSession:
     # limit=0: no pool cap, so nothing waits for a free connection before it is sent.
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # keepalive=False closes each connection after its response (force_close): some servers
+    # close idle keep-alive connections as the client picks one to reuse, failing the request.
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keepalive)
     return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 

@@ -112,6 +112,7 @@ class LoadConfig:
     ignore_eos: bool = True
     seed: int = 0
     timeout_s: float = 300.0
+    keepalive: bool = True  # reuse connections; False: one new connection per request
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)

@@ -72,7 +72,7 @@ async def run_load(config: LoadConfig, *,
                    session: aiohttp.ClientSession | None = None) -> RunResult:
     """Run one load as configured and return every request's record and the summary."""
     own = session is None
-    session = session if session is not None else new_session(config.timeout_s)
+    session = session if session is not None else new_session(config.timeout_s, config.keepalive)
     try:
         model = config.model or await fetch_model(session, config.base_url, config.headers())
         if config.warmup:

@@ -39,6 +39,7 @@ class FakeOpenAI:
         self.count = 0
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
+        self.peers: list[object] = []  # each request's client address: one per connection
         self.arrivals: list[float] = []  # perf_counter when each POST reached the handler
         self.in_flight = 0
         self.max_in_flight = 0
@@ -91,6 +92,8 @@ class FakeOpenAI:
         body = await request.json()
         self.bodies.append(body)
         self.auth.append(request.headers.get("Authorization"))
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport
+                          else None)
         if self.reject_every and n % self.reject_every == self.reject_every - 1:
             return web.json_response({"error": {"message": "queue full", "type": "rate_limit_error",
                                                 "code": "queue_full"}}, status=429,

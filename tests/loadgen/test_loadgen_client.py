@@ -119,3 +119,10 @@ def test_unreachable_server_is_an_error_per_request() -> None:
         url = server.base_url
     result = run(LoadConfig(base_url=url, model="m", mode="closed", num_requests=2, timeout_s=5))
     assert result.summary.errors == 2 and all(r.status == 0 for r in result.records)
+
+
+def test_no_keepalive_opens_a_connection_per_request() -> None:
+    with FakeOpenAI() as server:
+        result = run(config(server, concurrency=1, num_requests=5, keepalive=False))
+    assert result.summary.completed == 5
+    assert len(set(server.peers)) == 5  # each request from a new client port
