@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_worker.engine import Engine
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.llama import Attention
 from engine_worker.model_runner import ModelRunner, StepItem
-from protocol import messages as m
+from tests.engine_worker.greedy_run import greedy_tokens
 
 
 def gqa_config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
@@ -89,18 +88,7 @@ def engine_tokens(tiny_dir: Path, grouped: bool) -> dict[str, list[int]]:
     runner = ModelRunner(tiny_dir, kv_budget_bytes=kv_cache_bytes(probe.config, 256 * 16,
                                                                   torch.float32), block_size=16)
     set_grouped(runner, grouped)
-    engine = Engine(runner, max_num_seqs=8, max_num_batched_tokens=256)
-    rng = random.Random(1)
-    params = m.SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for rid, n in (("a", 5), ("b", 33), ("c", 70), ("d", 12)):
-        engine.add(m.Generate(rid, [rng.randrange(3, 49152) for _ in range(n)], params))
-    out: dict[str, list[int]] = {}
-    for _ in range(500):
-        if not engine.has_work:
-            break
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
+    return greedy_tokens(runner, (("a", 5), ("b", 33), ("c", 70), ("d", 12)), 1)
 
 
 def test_engine_greedy_50_steps_identical_with_grouped_decode(tiny_dir: Path) -> None:

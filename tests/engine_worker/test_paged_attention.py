@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from engine_worker.config import WorkerConfig
-from engine_worker.engine import Engine
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.llama import Attention
 from engine_worker.model_runner import ModelRunner, StepItem
@@ -27,8 +26,8 @@ from engine_worker.paged_attention import (
     load_paged_attention,
     paged_decode_attention,
 )
-from protocol import messages as m
 from protocol.settings import parse_settings
+from tests.engine_worker.greedy_run import greedy_tokens
 from tests.engine_worker.test_grouped_decode import gqa_config
 
 CPU = torch.device("cpu")
@@ -156,18 +155,7 @@ def engine_tokens(tiny_dir: Path, paged: bool) -> dict[str, list[int]]:
     runner = ModelRunner(tiny_dir, kv_budget_bytes=kv_cache_bytes(probe.config, 256 * 16,
                                                                   torch.float32), block_size=16)
     runner.set_paged_attention(paged)
-    engine = Engine(runner, max_num_seqs=8, max_num_batched_tokens=256)
-    rng = random.Random(2)
-    params = m.SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for rid, n in (("a", 5), ("b", 33), ("c", 70), ("d", 12), ("e", 16)):
-        engine.add(m.Generate(rid, [rng.randrange(3, 49152) for _ in range(n)], params))
-    out: dict[str, list[int]] = {}
-    for _ in range(500):
-        if not engine.has_work:
-            break
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
+    return greedy_tokens(runner, (("a", 5), ("b", 33), ("c", 70), ("d", 12), ("e", 16)), 2)
 
 
 def test_engine_greedy_tokens_same_with_kernel_and_gather(kernel: None, tiny_dir: Path) -> None:
