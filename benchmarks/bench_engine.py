@@ -107,9 +107,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--row", help="internal: run one row, print JSON")
     args = ap.parse_args()
+    from engine_worker.config import cache_dir_from_env
     from engine_worker.model.loader import resolve_checkpoint
-
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     path = resolve_checkpoint(args.model, cache)
     if args.row:
         if args.threads:

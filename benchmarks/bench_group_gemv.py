@@ -13,16 +13,14 @@ bytes each reads per call and the rate that implies.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from engine_worker.config import cache_dir_from_env
 from engine_worker.quant_group import Int8GroupLinear, load_group_gemv
 
 
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", tempfile.gettempdir()))
+    cache = cache_dir_from_env()
     why = load_group_gemv(cache)
     if why is not None:
         print(f"group_gemv kernel unavailable: {why}")

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine_worker.config import cache_dir_from_env  # noqa: E402
 from engine_worker.model.loader import resolve_checkpoint  # noqa: E402
 from engine_worker.model_runner import ModelRunner, StepItem  # noqa: E402
 
@@ -33,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=512 << 20)
     lengths = [int(x) for x in args.lengths.split(",")]
     g = torch.Generator().manual_seed(0)

@@ -17,14 +17,13 @@ Medians and minima are printed with ratios gather / kernel (> 1: the kernel is f
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from engine_worker.config import cache_dir_from_env
 from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
 from engine_worker.model_runner import ModelRunner, StepItem
 from engine_worker.paged_attention import paged_decode_attention
@@ -141,7 +140,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     path = resolve_checkpoint(a.model, cache)
     print(f"threads {torch.get_num_threads()}, ctx ~{a.ctx} (ragged -63), "
           f"{a.rounds} interleaved rounds")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -83,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from tokenizers import Tokenizer
 
+    from engine_worker.config import cache_dir_from_env
     from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
-
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     folder = resolve_checkpoint("default", cache)
     if args.text:
         text = "\n\n".join(p.read_text(encoding="utf-8") for p in args.text)

@@ -148,7 +148,8 @@ def row(
     from engine_worker.quant import quantize_model, weight_bytes
 
     dtype, mode, group = CONFIGS[name]
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    from engine_worker.config import cache_dir_from_env
+    cache = cache_dir_from_env()
     path = resolve_checkpoint(model, cache)
     runner = ModelRunner(path, dtype=getattr(torch, dtype), kv_budget_bytes=256 << 20,
                          max_model_len=2048)

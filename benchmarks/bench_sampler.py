@@ -10,12 +10,11 @@ full-vocabulary float64 draw, reimplemented here as the reference.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import torch
 
+from engine_worker.config import cache_dir_from_env
 from engine_worker.model.loader import resolve_checkpoint
 from engine_worker.model_runner import ModelRunner
 from engine_worker.sampler import Sampler, SamplerInput, make_generator
@@ -47,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=64 << 20)
     # Real text, so the next-token distributions are a served model's, not a random prompt's.
     from benchmarks.bench_speculative import TEXT, chat_ids

@@ -23,13 +23,13 @@ SmolLM2-1.7B, or Qwen2.5-0.5B for Qwen2.5-7B.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from engine_worker.config import cache_dir_from_env
 from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model.loader import resolve_checkpoint, tokenizer_info
@@ -131,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     path = resolve_checkpoint(args.model, cache)
     runner = ModelRunner(path, kv_budget_bytes=256 << 20)
     modes = args.modes.split(",")

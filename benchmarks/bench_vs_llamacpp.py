@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
 
     gguf = args.gguf or embedded_gguf_path()
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    from engine_worker.config import cache_dir_from_env
+    cache = cache_dir_from_env()
     tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
     servers: list[str] = [f"ours --quantization {d}" if d.split("+")[0] in ("int8", "int4") else
                           f"ours --dtype {d}" for d in args.ours.split(",") if d]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,12 @@ COMPILE_MODES = ("off", "decode")  # same tuple as engine_worker.compiled_step (
 
 def default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "kestrel")
+
+
+def cache_dir_from_env() -> Path:
+    """KESTREL_CACHE_DIR, else the default: where a process with no WorkerConfig (the runner
+    used directly, benchmarks, tests) finds converted checkpoints and built kernels."""
+    return Path(os.environ.get("KESTREL_CACHE_DIR", default_cache_dir()))
 
 
 @dataclass(frozen=True)

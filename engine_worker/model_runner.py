@@ -16,14 +16,13 @@ outside (block manager), and arrives here as block tables.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine_worker.compiled_step import COMPILE_MODES, CompiledDecode
-from engine_worker.config import default_cache_dir
+from engine_worker.config import cache_dir_from_env
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import Attention, AttnMeta, PrefillSpan
@@ -105,7 +104,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
-        cache_dir = cache_dir or Path(os.environ.get("KESTREL_CACHE_DIR", default_cache_dir()))
+        cache_dir = cache_dir or cache_dir_from_env()
         # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
         native_q8 = self.device.type == "cpu" and load_group_gemv(cache_dir) is None
         if gguf_path is not None:
@@ -144,6 +143,7 @@ class ModelRunner:
         """Decodes read the cache in place (True; needs the kernel loaded) or gather a copy."""
         if on and not self.paged_attention.enabled:
             raise ValueError(f"paged attention kernel unavailable: {self.paged_attention.reason}")
+        self.paged_decode = on
         for mod in self.model.modules():
             if isinstance(mod, Attention):
                 mod.paged_decode = on
@@ -225,11 +225,12 @@ class ModelRunner:
             [n, n, n, len(last_row), len(dec_blocks), b]
         )
         decode_where: torch.Tensor | int | None = blocks_t if b else None
-        if b == 1:  # a lone decode in consecutive blocks reads a view instead of gathering
+        gather = b and not self.paged_decode  # the kernel reads only the table and lengths
+        if gather and b == 1:  # a lone decode in consecutive blocks reads a view, no gather
             run = _run_start(decodes[0].block_table[:nblk], bs)
             decode_where = blocks_t if run is None else run
         decode_mask = None
-        if b and min(ctx) != t_max:  # ragged contexts: mask each row past its own length
+        if gather and min(ctx) != t_max:  # ragged contexts: mask each row past its length
             col = torch.arange(t_max, device=self.device)
             decode_mask = (col < ctx_t[:, None]).view(b, 1, 1, t_max)  # (B, 1, 1, T)
 
@@ -274,7 +275,6 @@ def _run_start(blocks: list[int], block_size: int) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     """Decode throughput: python -m engine_worker.model_runner [MODEL] [--batch 1,16] ..."""
     import argparse
-    import os
     import time
 
     from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="decode: compiled one-token steps (benchmarks/bench_compiled_decode.py "
                          "compares them with eager side by side)")
     args = ap.parse_args(argv)
-    cache = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    cache = cache_dir_from_env()
     path = resolve_checkpoint(args.model, cache)
     dtype, gguf = resolve_dtype(args.dtype, args.model, args.quantization, path)
     runner = ModelRunner(

@@ -282,20 +282,29 @@ class QuantReport:
                 f"{len(self.skipped)} left in float)")
 
 
+@dataclass(frozen=True)
+class _Options:
+    """How layers are made: the kernels' dtype and use, and the options of one kind only."""
+
+    compute_dtype: torch.dtype | None = None
+    use_kernel: bool | None = None
+    clip_search: bool = False  # INT4 layers
+    native_q8: bool = False  # group-wise INT8 head: our C++ kernel at few rows
+    head_dense_rows: int = 0  # group-wise INT8 head: a bfloat16 copy from this many rows
+
+
 def _quantize(
     w: torch.Tensor, b: torch.Tensor | None, name: str, mode: str, group_size: int,
-    report: QuantReport, **kw: object,
+    report: QuantReport, opt: _Options,
 ) -> nn.Module | None:
     if mode == "int8g32" and b is None and w.shape[1] % GROUP == 0:
         report.group_sizes[name] = GROUP
-        return Int8GroupLinear.from_float(w, use_kernel=kw.get("use_kernel"),  # type: ignore[arg-type]
-                                          native=bool(kw.get("native_q8")),
-                                          dense_min_rows=int(kw.get("head_dense_rows", 0)))
+        return Int8GroupLinear.from_float(w, use_kernel=opt.use_kernel, native=opt.native_q8,
+                                          dense_min_rows=opt.head_dense_rows)
     if mode in ("int8", "int8g32"):
         report.group_sizes[name] = 0
-        kw8 = {k: v for k, v in kw.items()
-               if k not in ("clip_search", "native_q8", "head_dense_rows")}
-        return Int8Linear.from_float(w, b, **kw8)  # type: ignore[arg-type]
+        return Int8Linear.from_float(w, b, compute_dtype=opt.compute_dtype,
+                                     use_kernel=opt.use_kernel)
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -305,8 +314,8 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    kw4 = {k: v for k, v in kw.items() if k not in ("native_q8", "head_dense_rows")}
-    return Int4GroupLinear.from_float(w, b, group_size=g, **kw4)  # type: ignore[arg-type]
+    return Int4GroupLinear.from_float(w, b, group_size=g, compute_dtype=opt.compute_dtype,
+                                      use_kernel=opt.use_kernel, clip_search=opt.clip_search)
 
 
 @torch.no_grad()
@@ -327,13 +336,9 @@ def quantize_model(
     if mode == "none":
         report.bytes_after = report.bytes_before
         return report
-    kw: dict[str, object] = {"compute_dtype": compute_dtype, "use_kernel": use_kernel}
-    if native_q8:  # the group-wise INT8 head through our C++ kernel (load_group_gemv first)
-        kw["native_q8"] = True
-    if head_dense_rows:  # and a bfloat16 copy of it from that many rows (as the GGUF path)
-        kw["head_dense_rows"] = head_dense_rows
-    if mode == "int4":  # off by default: 19 passes over the weights made a loaded 2-core
-        kw["clip_search"] = clip_search  # host's INT4 worker start exceed 3 minutes
+    # clip_search is off by default: 19 passes over the weights made a loaded 2-core host's INT4
+    # worker start exceed 3 minutes. native_q8: load_group_gemv first.
+    opt = _Options(compute_dtype, use_kernel, clip_search, native_q8, head_dense_rows)
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
     # INT4 mode's head: group-wise INT8. A per-row INT8 (and an INT4) head turned SmolLM2's
@@ -341,14 +346,14 @@ def quantize_model(
     head_mode = head_mode or ("int8g32" if mode == "int4" else mode)
     for name, mod in targets:
         m = head_mode if name == "lm_head" else mode
-        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, **kw)
+        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, opt)
         if new is not None:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, new)
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if lm_head and getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding):
-        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, **kw)
+        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, opt)
         if head is not None:  # tied: the head gets its own quantized copy, the embedding INT8
             model.lm_head = head
             if isinstance(head, Int8Linear):  # same per-row quantization: share it

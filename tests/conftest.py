@@ -6,18 +6,18 @@ from the embedded GGUF takes ~25 s; later sessions reuse it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from engine_worker.config import cache_dir_from_env
 from tests.procs import GatewayProc, WorkerProc
 
 
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
-    path = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    path = cache_dir_from_env()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
