@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.capital import assert_chat_names_paris
 from tests.procs import GatewayProc, WorkerProc
 
 pytestmark = pytest.mark.smollm
@@ -26,8 +27,5 @@ def test_default_gguf_served_natively_answers_paris(cache_dir: Path) -> None:
         # float32 SmolLM2 is 538 MB; packed blocks plus the bf16 copies for many rows less
         assert model["quantization"] == "gguf" and 0 < model["weight_bytes"] < 400e6
         client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
-        answer = client.chat.completions.create(
-            model="smol", temperature=0, max_tokens=30,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in answer.choices[0].message.content
+        assert_chat_names_paris(client, "smol")
         assert "gguf-native weights loaded" in wk.output()  # progress was reported

@@ -5,9 +5,11 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.e2e.capital import CHAT, PROMPT, assert_chat_names_paris, assert_completion_names_paris
+
 pytestmark = pytest.mark.smollm
 
-QUESTION = "What is the capital of France?"
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +19,13 @@ def client(smollm_server) -> openai.OpenAI:  # noqa: ANN001
 
 
 def test_chat_answers_paris_and_stream_equals_non_stream(client: openai.OpenAI) -> None:
-    kwargs = dict(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=40,
-                  messages=[{"role": "user", "content": QUESTION}])
-    full = client.chat.completions.create(**kwargs)
+    full = assert_chat_names_paris(client, MODEL)
     text = full.choices[0].message.content
-    assert "Paris" in text
     assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+    # Same server, same path, one request at a time: the stream must give the same tokens.
     chunks = list(client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs))
+        model=MODEL, temperature=0, max_tokens=30, messages=CHAT, stream=True,
+        stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -34,22 +35,20 @@ def test_chat_answers_paris_and_stream_equals_non_stream(client: openai.OpenAI) 
 
 
 def test_completion_answers_paris_and_stream_equals_non_stream(client: openai.OpenAI) -> None:
-    prompt = ("<|im_start|>user\n" + QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
-    kwargs = dict(model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0, max_tokens=40)
-    full = client.completions.create(**kwargs)
-    assert "Paris" in full.choices[0].text
+    full = assert_completion_names_paris(client, MODEL)
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    chunks = list(client.completions.create(stream=True, **kwargs))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                            max_tokens=30, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
 
 
 def test_stop_string_is_not_emitted_and_stream_agrees(client: openai.OpenAI) -> None:
-    kwargs = dict(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=40, stop=["Paris"],
-                  messages=[{"role": "user", "content": QUESTION}])
+    # The answer without a stop, then with "Paris" as the stop: the same tokens up to it.
+    plain = assert_chat_names_paris(client, MODEL).choices[0].message.content
+    kwargs = dict(model=MODEL, temperature=0, max_tokens=30, stop=["Paris"], messages=CHAT)
     full = client.chat.completions.create(**kwargs)
     text = full.choices[0].message.content
-    assert "Paris" not in text and full.choices[0].finish_reason == "stop"
-    assert text.startswith("The capital of France is")
+    assert text == plain[:plain.index("Paris")] and full.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].delta.content or ""
                        for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)
@@ -57,4 +56,4 @@ def test_stop_string_is_not_emitted_and_stream_agrees(client: openai.OpenAI) -> 
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
-    assert [mdl.id for mdl in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    assert [mdl.id for mdl in client.models.list().data] == [MODEL]

@@ -1,11 +1,13 @@
 """Tests for engine_worker/model/: config reading, RoPE, our forward against transformers', loading.
 
-The reference is transformers' forward on the same checkpoint folder: float32 logits must agree
-to 1e-4 (atol and rtol) with the same argmax at every position.
+The reference is transformers' forward on the same checkpoint folder, run in float64: our float32
+logits may be at most a few times further from it than transformers' own float32 forward is on
+this host (tests/numerics.py), with the same argmax wherever the reference is not tied.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -21,21 +23,23 @@ from engine_worker.model.config import ModelConfig
 from engine_worker.model.llama import Linear, rope_inv_freq
 from engine_worker.model.loader import load_model, resolve_checkpoint, tokenizer_info
 from engine_worker.model_runner import ModelRunner
+from tests.numerics import assert_logits_close
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @torch.inference_mode()
 def hf_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
-    """transformers' float32 logits (T, V) for one sequence, no cache."""
-    return model(torch.tensor([token_ids])).logits[0].float()
+    """transformers' logits (T, V) for one sequence, no cache, in the model's own dtype."""
+    return model(torch.tensor([token_ids])).logits[0]
 
 
-def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), f"max abs diff {diff}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+def assert_logits_match(ours: torch.Tensor, hf: Any, token_ids: list[int]) -> None:
+    """Our float32 logits against transformers' float64 forward, with its float32 forward as the
+    measure of what this host's rounding gives."""
+    assert ours.dtype == torch.float32
+    exact = hf_logits(copy.deepcopy(hf).double(), token_ids)  # (T, V) float64
+    assert_logits_close(ours, exact, peer=hf_logits(hf, token_ids).float())
 
 
 def random_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -126,7 +130,7 @@ def test_tiny_logits_match_transformers(tiny_runner: ModelRunner, tiny_dir: Path
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, local_files_only=True)
     ids = random_ids(96, seed=1)
-    assert_logits_match(tiny_runner.forward_full(ids), hf_logits(hf, ids))
+    assert_logits_match(tiny_runner.forward_full(ids), hf, ids)
 
 
 def _variant(kind: str, path: Path) -> Any:
@@ -169,7 +173,7 @@ def test_family_variants_match_transformers(kind: str, tmp_path: Path) -> None:
     hf = _variant(kind, tmp_path)
     runner = ModelRunner(tmp_path, kv_budget_bytes=1 << 20)
     ids = random_ids(80, seed=2, vocab=512)
-    assert_logits_match(runner.forward_full(ids), hf_logits(hf, ids))
+    assert_logits_match(runner.forward_full(ids), hf, ids)
 
 
 @pytest.mark.smollm
@@ -178,7 +182,7 @@ def test_smollm2_logits_match_transformers(
 ) -> None:
     ids = chat_ids(smollm2_dir, "What is the capital of France? Answer in one sentence.")
     ids += random_ids(40, seed=3)  # and some unnatural text, to exercise more of the vocabulary
-    assert_logits_match(smollm2_runner.forward_full(ids), hf_logits(smollm2_hf, ids))
+    assert_logits_match(smollm2_runner.forward_full(ids), smollm2_hf, ids)
 
 
 def _bf16_agreement(path: Path, ids: list[int], fp32: ModelRunner) -> float:
