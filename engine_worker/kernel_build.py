@@ -8,13 +8,19 @@ Data flow of `load_kernel(name, cache_dir)`:
       -> <cache_dir>/kernels/<name>-<torch version>-<hash of source and flags>/<lib>.so exists?
          load it (milliseconds)
       -> else log "compiling the <name> kernel (one time, ~N s)", build it there with
-         torch.utils.cpp_extension (-O3 -march=native: this host's AVX512 or AVX2), load it
+         torch.utils.cpp_extension (-O3 -march=native: this host's AVX512 or AVX2, or the
+         level KESTREL_CPU_ISA caps it to), load it
 
 The source hash, the flags, torch's version and this CPU's feature flags key the folder, so an
 edited kernel or another torch builds anew and never loads a stale library, and a cache dir shared
 by hosts of different CPUs (a network volume) never hands an AVX512 build to an AVX2-only host:
 `-march=native` builds for the host that builds. Every caller keeps a pure-torch fallback for
 when this raises.
+
+KESTREL_CPU_ISA caps the instructions our kernels may use, as ATEN_CPU_CAPABILITY and
+ONEDNN_MAX_CPU_ISA cap torch's and oneDNN's: `avx2` builds for x86-64-v3 (AVX2, FMA, F16C),
+`avx512` for x86-64-v4 (AVX512 F/BW/DQ/VL), `native` (the default) for this CPU. An AVX512
+machine so proves the path an AVX2 host runs; a cap above what this CPU has is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +41,13 @@ log = logging.getLogger("kestrel.kernels")
 CSRC = Path(__file__).parent / "csrc"
 # -fopenmp: at::parallel_for is a header template that splits work with `omp parallel`; without
 # it a kernel runs on one thread. It links libgomp.so.1, which torch has already loaded.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
+# KESTREL_CPU_ISA -> (the -march it builds for, the CPU flags that level needs)
+ISA_LEVELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "native": ("native", ()),
+    "avx2": ("x86-64-v3", ("avx2", "fma", "f16c")),
+    "avx512": ("x86-64-v4", ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
+}
 STALE_LOCK_S = 600  # a build lock this old was left by a killed build: torch would wait forever
 
 
@@ -55,9 +67,24 @@ def _cpu_flags() -> str:
     return platform.machine() + " " + platform.processor()
 
 
+def isa_cap() -> str:
+    """KESTREL_CPU_ISA, checked: one of ISA_LEVELS that this CPU has (ValueError otherwise)."""
+    cap = os.environ.get("KESTREL_CPU_ISA", "native").strip().lower() or "native"
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"KESTREL_CPU_ISA={cap!r}: expected one of {', '.join(ISA_LEVELS)}")
+    missing = [f for f in ISA_LEVELS[cap][1] if f not in _cpu_flags().split()]
+    if missing:
+        raise ValueError(f"KESTREL_CPU_ISA={cap}: this CPU lacks {', '.join(missing)}")
+    return cap
+
+
+def cflags() -> tuple[str, ...]:
+    return (*CFLAGS, f"-march={ISA_LEVELS[isa_cap()][0]}")
+
+
 def _source_key(name: str) -> str:
     h = hashlib.sha256((CSRC / f"{name}.cpp").read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(_cpu_flags().encode())
     return f"{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
@@ -96,6 +123,10 @@ def load_kernel(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
     why = compiler_missing()
     if why is not None:
         raise KernelUnavailable(why)
+    try:
+        flags = cflags()
+    except ValueError as e:
+        raise KernelUnavailable(str(e)) from e
     folder = build_dir(name, Path(cache_dir))
     lock = folder / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
@@ -108,11 +139,12 @@ def load_kernel(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
             return
         from torch.utils.cpp_extension import load
 
-        log.info("compiling the %s kernel (one time, ~%d s) into %s", name, seconds, folder)
+        log.info("compiling the %s kernel for %s (one time, ~%d s) into %s", name, flags[-1],
+                 seconds, folder)
         t0 = time.monotonic()
         folder.mkdir(parents=True, exist_ok=True)
         # is_python_module=False: the .so only registers torch ops (torch.ops.load_library)
-        load(name=lib_name, sources=[str(CSRC / f"{name}.cpp")], extra_cflags=list(CFLAGS),
+        load(name=lib_name, sources=[str(CSRC / f"{name}.cpp")], extra_cflags=list(flags),
              extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
              verbose=False)
         log.info("%s kernel built in %.1f s", name, time.monotonic() - t0)
