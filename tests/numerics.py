@@ -26,6 +26,8 @@ SLACK = 8.0
 # A floor on the bound in float32 units of the largest logit: a path whose rounding is already
 # near-exact (tiny models, few layers) must not demand better than a few ulps of accumulation.
 ULPS = 64.0
+# The floor for a path that rounds activations to bfloat16: four bfloat16 steps, in float32 ulps.
+BF16_ULPS = 4 * torch.finfo(torch.bfloat16).eps / EPS32
 # A near tie: the reference's top two log-probabilities closer than this (nats). Differences
 # between paths measured on SmolLM2 reach ~0.1 nats for the quantized ones; half a nat is far
 # beyond what rounding moves and well inside what a confident token wins by (2-6 nats).

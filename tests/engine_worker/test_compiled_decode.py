@@ -19,6 +19,7 @@ from engine_worker.config import WorkerConfig
 from engine_worker.model.loader import load_config
 from engine_worker.model_runner import ModelRunner, StepItem
 from tests.engine_worker.gguf_factory import write_gguf
+from tests.numerics import BF16_ULPS, ULPS, assert_logits_close, rounding_bound
 
 pytestmark = pytest.mark.skipif(not compiler_available(),
                                 reason="no C++ compiler: Inductor cannot build CPU kernels")
@@ -28,9 +29,12 @@ KV = 8 << 20  # bytes: 2 layers x 2 KV heads x 16 dims, float32: ~16k tokens
 
 
 def _runner(folder: Path, gguf_path: Path | None, compile_mode: str, cache: Path) -> ModelRunner:
+    # GGUF-native layers switch to a bfloat16 copy at 4 rows here, whatever this host would
+    # measure (engine_worker/path_choice.py): a switch inside the compiled buckets is the case
+    # these tests need.
     return ModelRunner(folder, kv_budget_bytes=KV, block_size=16, max_model_len=1024,
                        gguf_path=gguf_path, compile_mode=compile_mode, max_num_seqs=8,
-                       cache_dir=cache)
+                       cache_dir=cache, dense_min_rows=4)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +93,20 @@ def test_compiled_decode_gives_eager_tokens_and_logits(
     assert compiled.compiled is not None and compiled.compiled.compiled, "no graph was used"
     if len(lengths) > 1:  # the longest context crossed the first context bucket's edge
         assert {nblk for _, nblk in compiled.compiled.compiled} >= {16, 32}
-    assert got == want
-    for step, (a, b) in enumerate(zip(got_logits, want_logits, strict=True)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    # Inductor fuses the casts around the GGUF layers' bfloat16 copies: a few bfloat16 steps
+    # apart there, float32 rounding apart otherwise. Each row is compared until the eager
+    # run's first near tie (top two within twice the bound): past it either token is right.
+    ulps = BF16_ULPS if eager.quant.mode == "gguf" else ULPS
+    for i in range(len(lengths)):
+        for step, (a, b) in enumerate(zip(got_logits, want_logits, strict=True)):
+            try:
+                assert_logits_close(a[i : i + 1], b[i : i + 1], ulps=ulps)
+            except AssertionError as e:
+                raise AssertionError(f"row {i} step {step}: {e}") from None
+            top = b[i].topk(2).values
+            if top[0] - top[1] <= 2 * rounding_bound(b[i], ulps=ulps):
+                break  # a near tie: the runs may part here
+            assert got[i][step + 1] == want[i][step + 1], f"row {i} step {step}"
 
 
 def test_padded_rows_write_only_the_scratch_block(

@@ -1,6 +1,6 @@
 """The C++ few-row Q8_0 kernel (csrc/group_gemv.cpp) against dequantize-then-matmul, the layer
-in its native layout against torch's per-group layout, the GGUF tiny model's greedy tokens with
-and without it, and the fallback when no kernel can be built."""
+in its native layout against torch's per-group layout, the GGUF tiny model's logits with and
+without it (teacher-forced, within bfloat16 rounding), and the fallback when no kernel builds."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from engine_worker.model.loader import load_config
 from engine_worker.model_runner import ModelRunner, StepItem
 from engine_worker.quant_group import Int8GroupLinear, load_group_gemv
 from tests.engine_worker.gguf_factory import write_gguf
+from tests.numerics import BF16_ULPS, assert_logits_close
 
 Q = gguf.GGMLQuantizationType
 
@@ -73,25 +74,32 @@ def test_native_layout_equals_torch_layout(kernel: None) -> None:
         torch.testing.assert_close(grouped(x), want, atol=tol, rtol=0.02)
 
 
-def test_gguf_tiny_model_same_greedy_tokens_with_and_without_kernel(
+def test_gguf_tiny_model_logits_with_kernel_within_bf16_of_torch_path(
     kernel: None, tiny_dir: Path, tmp_path: Path,
 ) -> None:
     cfg = load_config(tiny_dir)
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q4_1, Q.Q8_0, cfg.num_heads,
                       cfg.num_kv_heads)
-    outs = []
-    for native in (True, False):
+    rows = {}
+    ids = [1, 504, 3458, 282]
+    for native in (False, True):  # the torch path first: its greedy tokens feed both
         model = load_gguf_model(path, cfg, "cpu", dense_min_rows=4, native_q8=native)
         assert model.lm_head.native is native  # type: ignore[union-attr]
-        ids = [1, 504, 3458, 282]
+        out = []
         with torch.inference_mode():
-            for _ in range(24):  # the last row only: one row through the head's kernel
-                meta = AttnMeta(slot_mapping=None, prefills=[PrefillSpan(0, len(ids), 0)])
-                logits = model(torch.tensor(ids), torch.arange(len(ids)), meta, None,
-                               torch.tensor([len(ids) - 1]))  # (1, V)
-                ids.append(int(logits[0].argmax()))
-        outs.append(ids)
-    assert outs[0] == outs[1]
+            for step in range(24):  # the last row only: one row through the head's kernel
+                n = 4 + step
+                meta = AttnMeta(slot_mapping=None, prefills=[PrefillSpan(0, n, 0)])
+                logits = model(torch.tensor(ids[:n]), torch.arange(n), meta, None,
+                               torch.tensor([n - 1]))  # (1, V)
+                out.append(logits[0].float())
+                if not native:
+                    ids.append(int(logits[0].argmax()))
+        rows[native] = torch.stack(out)  # (24, V), teacher-forced on the reference's tokens
+    # The tiny random model's logits are flat (top-two gaps of 0.02-0.3 nats) and the torch path
+    # rounds activations to bfloat16: the kernel's logits within a few bfloat16 steps of the
+    # largest, and the same greedy token wherever the reference is not tied within that.
+    assert_logits_close(rows[True], rows[False], ulps=BF16_ULPS)
 
 
 def test_runner_falls_back_when_no_kernel_can_be_built(
