@@ -30,6 +30,9 @@ from gateway.tools import ToolPlan, ToolStream, render_messages
 class Formatter:
     schema: ClassVar[type[BaseModel]]
     chunk_object: ClassVar[str] = ""  # the "object" of a stream chunk
+    # max_tokens when a request sets none (then also cut to what the deadline fits): OpenAI's
+    # 16 for completions; for chat, enough for an answer, not the whole context.
+    default_max_tokens: ClassVar[int] = 16
 
     def __init__(self, state: GatewayState, body: Any) -> None:
         self.state = state
@@ -77,10 +80,10 @@ class Formatter:
         if max(ids) >= vocab:  # only a prompt sent as token ids can fail this
             raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
                            param="prompt", code="invalid_token_ids")
-        sampling = self.state.make_params(model, len(ids), max_tokens, **params)
-        return Prepared(model, ids, sampling, stop,
-                        self.state.deadline(arrival, getattr(self.body, "timeout", None)), arrival,
-                        grammar)
+        deadline = self.state.deadline(arrival, getattr(self.body, "timeout", None))
+        sampling = self.state.make_params(model, len(ids), max_tokens, self.default_max_tokens,
+                                          deadline, **params)
+        return Prepared(model, ids, sampling, stop, deadline, arrival, grammar)
 
     def _common_params(self) -> dict[str, Any]:
         b = self.body
@@ -205,6 +208,7 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     schema = ChatCompletionRequest
     chunk_object = "chat.completion.chunk"
+    default_max_tokens = 512
 
     def id_prefix(self) -> str:
         return "chatcmpl-"

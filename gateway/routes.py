@@ -48,6 +48,7 @@ async def run_route(request: Request, route: str) -> Response:
             state.record(route, 499, None, arrival, request_id, "aborted")
             return Response(status_code=499)
         prep = prepared
+        state.check_fit(prep, ticket)  # 400 or 429 now, not a 504 after the deadline
         if fmt.stream and not ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.

@@ -4,9 +4,10 @@ Static bounds live on the fields; the limits that are settings (prompt character
 cap) are checked by `check_limits` with the gateway's config. Unknown fields are ignored, as
 OpenAI clients expect. Validation happens before anything is tokenized or queued.
 
-An absent max_tokens (max_new_tokens) means "as many as the cap and the model's context allow"
-(`GatewayState.make_params`): a fixed default such as OpenAI's 16 could exceed a smaller
-configured cap and turn a request that asked for nothing into a 422.
+An absent max_tokens (max_new_tokens) means the route's default (16 for completions and the
+native API, as OpenAI's completions; 512 for chat), cut to the cap, the model's context and what
+the model's workers were measured to finish before the request's deadline
+(`GatewayState.make_params`): a request that asked for nothing is never a 422 nor a 504.
 Integers that travel to the worker are bounded here to what msgpack carries (64 bits), so a huge
 number is a 422, never an encoding error.
 """

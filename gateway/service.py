@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.admission import Admission, QueueClosed, Rejected, Ticket
+from gateway.admission import Admission, QueueClosed, Rejected, Ticket, WouldMissDeadline
 from gateway.body import read_json
 from gateway.config import GatewayConfig
 from gateway.drain import DrainEstimator
@@ -28,6 +28,7 @@ from gateway.errors import APIError, validation_error
 from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.rate_limit import RateLimiter
+from gateway.service_time import DoesNotFit, ServiceTimes, check_fit
 from gateway.tracing import RequestTracer
 from protocol import messages as m
 
@@ -58,6 +59,7 @@ class GatewayState:
             self._limit, cfg.max_queue, DrainEstimator(),
             workers=lambda: [w.hello.worker_id for w in self.client.ready_workers()],
             cold_queue=self._limit)
+        self.service_times = ServiceTimes()  # each worker's measured prefill and token rates
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
         self.limiter = RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.draining = False
@@ -153,12 +155,25 @@ class GatewayState:
         # Tokenizing a long prompt is CPU work: keep it off the event loop.
         return await asyncio.to_thread(func, *args)
 
+    def _load(self, model_id: str) -> list[tuple[str, int]]:
+        """(worker id, sequences it runs now) for the ready workers of the model."""
+        return [(w.hello.worker_id, max(len(w.inflight), w.stats.running))
+                for w in self.client.registry.candidates(model_id)]
+
     def make_params(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,
-                    **fields: Any) -> m.SamplingParams:
+                    default_max: int, deadline: float, **fields: Any) -> m.SamplingParams:
+        """An absent max_tokens is the route's default, within the cap and the context, and
+        within what the model's fastest worker was measured to finish before `deadline` when
+        idle: a plain request ends with "length", never in a 504."""
         room = model.hello.max_model_len - prompt_len
         if max_tokens is None:
-            max_tokens = min(self.cfg.max_tokens_cap, room)
-            if max_tokens < 1:
+            max_tokens = min(default_max, self.cfg.max_tokens_cap, room)
+            fits = self.service_times.tokens_within(
+                [(w, 0) for w, _ in self._load(model.model_id)], prompt_len,
+                deadline - time.monotonic(), fields.get("n", 1))
+            if fits is not None:
+                max_tokens = max(1, min(max_tokens, fits))
+            if room < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room "
                                f"in the context of {model.hello.max_model_len}",
                                param="prompt", code="context_length_exceeded")
@@ -168,6 +183,21 @@ class GatewayState:
                            param="max_tokens", code="context_length_exceeded")
         top_k = fields.pop("top_k", -1)
         return m.SamplingParams(max_tokens=max_tokens, top_k=max(0, top_k), **fields)
+
+    def check_fit(self, prep: Prepared, ticket: Ticket) -> None:
+        """After tokenizing: 400 if this request could not finish before its deadline even on
+        an idle worker, 429 if not at the current load (gateway/service_time.py)."""
+        now = time.monotonic()
+        wait = 0.0 if ticket.granted else (self.admission.expected_wait() or 0.0)
+        try:
+            check_fit(self.service_times, self._load(prep.model.model_id), len(prep.prompt_ids),
+                      prep.params.max_tokens, prep.params.n, prep.deadline - prep.arrival,
+                      prep.deadline - now, wait)
+        except DoesNotFit as exc:
+            if exc.idle:
+                raise APIError(400, str(exc), param=exc.param,
+                               code="deadline_unreachable") from None
+            raise self._rejected(WouldMissDeadline(str(exc), exc.retry_after)) from None
 
     def deadline(self, arrival: float, timeout: float | None) -> float:
         seconds = self.cfg.default_timeout_s if timeout is None else min(
@@ -257,6 +287,11 @@ class GatewayState:
             "total_ms": _ms(now - arrival), "worker": None, "engine_request_id": None}
         if gen is not None:  # it was admitted: it may have reached a worker
             t = gen.timings
+            if gen.handle is not None and status == 200 and set(gen.finish_reasons) <= {
+                    "stop", "length"}:  # it ran its course: its rates are the worker's
+                worker = gen.handle.worker
+                self.service_times.observe(worker.hello.worker_id, max(1, worker.stats.running),
+                                           gen.prompt_tokens, t.since_scheduled_s, t.tpot())
             mx.e2e.observe(now - arrival)
             mx.prompt_tokens.inc(gen.prompt_tokens)
             mx.generation_tokens.inc(gen.completion_tokens)

@@ -4,7 +4,9 @@ stack trace against a real gateway and tiny-model worker, which still serves aft
 Cases are derandomized (the same every run). KESTREL_SCHEMATHESIS_EXAMPLES sets the cases per
 POST route (default 100 in the suite; the report runs 300); the GET routes take no input, so a
 few cases cover them.
---max-tokens-cap 4 keeps the valid generations short.
+--max-tokens-cap 4 keeps the valid generations short. No 5xx of any kind, 504 included: a
+deadline a request cannot meet is refused at once (400 or 429), so the worker's rates are
+measured first (two plain requests) as on any server that has run for a moment.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def served(tiny_model_dir: Path) -> Iterator[GatewayProc]:
             WorkerProc(tiny_model_dir, gw.engine_address, "--max-model-len", "256",
                        "--threads", "1") as wk:
         gw.wait_ready()
+        for _ in range(2):
+            httpx.post(gw.base_url + "/v1/completions", json={"prompt": "hi"}, timeout=60)
         yield gw
         assert wk.popen is not None and wk.popen.poll() is None, wk.output()[-3000:]
         assert httpx.get(gw.base_url + "/health/ready", timeout=10).status_code == 200
@@ -66,12 +70,10 @@ def test_schemathesis_finds_no_server_error(api_schema: Any) -> None:
         @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def run(case: Any) -> None:
-            response = case.call(timeout=30)
-            body = case.body if isinstance(case.body, dict) else {}
-            # 503 only while no worker is ready (never here); 504 only for a deadline the case
-            # set itself.
-            assert response.status_code < 500 or (
-                response.status_code == 504 and "timeout" in body), (
+            response = case.call(timeout=120)
+            # 503 only while no worker is ready (never here); never a 504: a deadline that
+            # cannot be met is a 400 or 429 at once.
+            assert response.status_code < 500, (
                 case.operation.label, response.status_code, response.text[:500], case.body)
             assert "Traceback" not in response.text and 'File "' not in response.text
 

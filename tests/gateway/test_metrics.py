@@ -136,7 +136,8 @@ def fake_gen(reasons: list[str | None], tokens: int = 3) -> Any:
     t = Timings(arrival=0.0)
     for i in range(tokens):
         t.on_tokens(0, 1, 0.1 * (i + 1), since_scheduled_s=0.04 if i == 0 else None)
-    worker = SimpleNamespace(name="w1")
+    worker = SimpleNamespace(name="w1", hello=SimpleNamespace(worker_id="wid-1"),
+                             stats=SimpleNamespace(running=1))
     return SimpleNamespace(timings=t, prompt_tokens=7, completion_tokens=tokens,
                            finish_reasons=reasons, request_id="eng-1",
                            handle=SimpleNamespace(worker=worker))

@@ -4,6 +4,7 @@ the limits a request runs under (GatewayState.make_params and deadline)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -136,6 +137,7 @@ class _Hello:
 
 
 class _Model:
+    model_id = "m"
     hello = _Hello()
 
 
@@ -144,17 +146,35 @@ def gw_state() -> GatewayState:
     return GatewayState(GatewayConfig(max_tokens_cap=30, default_timeout_s=10))
 
 
-def test_absent_max_tokens_means_the_cap_or_what_the_context_leaves(gw_state: Any) -> None:
-    assert gw_state.make_params(_Model(), 10, None).max_tokens == 30
-    assert gw_state.make_params(_Model(), 95, None).max_tokens == 5
-    assert gw_state.make_params(_Model(), 10, 20).max_tokens == 20
+def params(state: Any, prompt_len: int, max_tokens: int | None, default_max: int = 512,
+           seconds: float = 10.0) -> Any:
+    return state.make_params(_Model(), prompt_len, max_tokens, default_max,
+                             time.monotonic() + seconds)
+
+
+def test_absent_max_tokens_is_the_routes_default_within_cap_and_context(gw_state: Any) -> None:
+    assert params(gw_state, 10, None).max_tokens == 30  # the cap
+    assert params(gw_state, 10, None, default_max=16).max_tokens == 16  # the route's default
+    assert params(gw_state, 95, None).max_tokens == 5  # what the context leaves
+    assert params(gw_state, 10, 20).max_tokens == 20
+
+
+def test_absent_max_tokens_is_cut_to_what_the_deadline_fits(gw_state: Any) -> None:
+    gw_state._load = lambda model_id: [("w", 3)]
+    assert params(gw_state, 10, None, seconds=1.0).max_tokens == 30  # nothing measured yet
+    # 0.1 s for 10 prompt tokens, then 50 ms a token
+    gw_state.service_times.observe("w", 1, 10, 0.1, 0.05)
+    cut = params(gw_state, 10, None, seconds=1.0).max_tokens
+    assert cut in (17, 18)  # (1.0 - 0.1) / 0.05, less the time this call took
+    assert params(gw_state, 10, 25, seconds=1.0).max_tokens == 25  # asked for: kept
+    assert params(gw_state, 10, None, seconds=0.01).max_tokens == 1  # at least one
 
 
 @pytest.mark.parametrize(("prompt_len", "max_tokens"), [(100, None), (90, 11), (1, 100)])
 def test_beyond_the_context_is_a_400(gw_state: Any, prompt_len: int,
                                      max_tokens: int | None) -> None:
     with pytest.raises(APIError) as exc:
-        gw_state.make_params(_Model(), prompt_len, max_tokens)
+        params(gw_state, prompt_len, max_tokens)
     assert exc.value.status == 400 and exc.value.code == "context_length_exceeded"
 
 

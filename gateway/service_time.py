@@ -1,0 +1,144 @@
+"""How long one request will hold a worker: the estimate admission checks each request against.
+
+    a request ends at a worker ──observe(worker, batch, prompt_tokens, prefill_s, tpot_s)──▶
+        per worker: seconds per prompt token (EWMA) and seconds per decode step for each batch
+        size bucket (1, 2, 4, ... 64+; EWMA each)
+    admission asks estimate(workers, prompt_tokens, max_tokens, batch) ──▶ seconds on the
+        fastest of those workers with `batch` sequences running, or None before any measurement
+
+A request's own service time is its prefill (prompt tokens x the measured seconds per token) plus
+its decode (max_tokens steps x the measured step time at the batch it will run in). Step time is
+measured per batch size because it is not constant: on a host whose throughput falls with
+concurrency (a bfloat16 path with no hardware behind it), 16 rows cost 10x one row a step.
+A batch size with no measurement of its own borrows the nearest measured bucket: one above as it
+is (a larger batch is no faster), one below scaled by sqrt(batch / that bucket), between the
+perfect batching of a GPU (x1) and none at all (x batch); the bucket's own figure replaces that
+guess once requests run there. Everything is O(buckets) per call and bounded per worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ALPHA = 0.3  # EWMA weight of the newest observation: a few requests move the estimate
+
+
+def bucket(batch: int) -> int:
+    """The bucket a batch of `batch` sequences is counted in (the largest edge <= batch)."""
+    return max(b for b in BUCKETS if b <= max(1, batch))
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else ALPHA * new + (1 - ALPHA) * old
+
+
+@dataclass
+class WorkerRates:
+    prefill_s: float | None = None  # seconds per prompt token
+    step_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per decode step
+
+    def step(self, batch: int) -> float | None:
+        """Seconds per decode step with `batch` sequences running; None: nothing measured."""
+        if not self.step_s:
+            return None
+        b = bucket(batch)
+        if b in self.step_s:
+            return self.step_s[b]
+        above = [k for k in self.step_s if k > b]
+        if above:
+            return self.step_s[min(above)]
+        below = max(self.step_s)
+        return self.step_s[below] * math.sqrt(max(1, batch) / below)
+
+
+class ServiceTimes:
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerRates] = {}
+
+    def observe(self, worker: str, batch: int, prompt_tokens: int, prefill_s: float | None,
+                tpot_s: float | None) -> None:
+        """A request ended at `worker`, which ran about `batch` sequences meanwhile: its prefill
+        of `prompt_tokens` took `prefill_s` (worker-side, first scheduled to first token) and its
+        later tokens came every `tpot_s` on average (None: not measured)."""
+        rates = self._workers.setdefault(worker, WorkerRates())
+        if prefill_s is not None and prompt_tokens > 0 and prefill_s >= 0:
+            rates.prefill_s = _ewma(rates.prefill_s, prefill_s / prompt_tokens)
+        if tpot_s is not None and tpot_s > 0:
+            b = bucket(batch)
+            rates.step_s[b] = _ewma(rates.step_s.get(b), tpot_s)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the workers not in `keep` (they left)."""
+        ready = set(keep)
+        for gone in [w for w in self._workers if w not in ready]:
+            del self._workers[gone]
+
+    def rates(self, worker: str) -> WorkerRates | None:
+        return self._workers.get(worker)
+
+    def estimate(self, workers: Iterable[tuple[str, int]], prompt_tokens: int, max_tokens: int,
+                 extra: int = 1) -> float | None:
+        """Seconds a request would hold the fastest of `workers` ((id, sequences running now)
+        pairs), joining with `extra` sequences of its own; None when no worker is measured."""
+        best: float | None = None
+        for worker, running in workers:
+            rates = self._workers.get(worker)
+            step = rates.step(running + extra) if rates else None
+            if rates is None or step is None:
+                continue
+            seconds = (rates.prefill_s or 0.0) * prompt_tokens + step * max_tokens
+            best = seconds if best is None else min(best, seconds)
+        return best
+
+    def tokens_within(self, workers: Iterable[tuple[str, int]], prompt_tokens: int,
+                      seconds: float, extra: int = 1) -> int | None:
+        """How many tokens the fastest of `workers` could decode for a new request within
+        `seconds` (after its prefill); None when no worker is measured."""
+        per_token = self.estimate(workers, 0, 1, extra)
+        prefill = self.estimate(workers, prompt_tokens, 0, extra)
+        if per_token is None or prefill is None or per_token <= 0:
+            return None
+        return max(0, math.floor((seconds - prefill) / per_token))
+
+
+class DoesNotFit(Exception):
+    """A request that cannot finish before its deadline. `idle`: not even on an idle worker
+    (answer 400 naming max_tokens or timeout); otherwise not at today's load (429, retry after
+    `retry_after` seconds)."""
+
+    def __init__(self, message: str, idle: bool, retry_after: float = 1.0,
+                 param: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.idle = idle
+        self.retry_after = retry_after
+        self.param = param
+
+
+def check_fit(times: ServiceTimes, workers: list[tuple[str, int]], prompt_tokens: int,
+              max_tokens: int, n: int, budget_s: float, remaining_s: float,
+              wait_s: float) -> None:
+    """DoesNotFit unless `max_tokens` (with `n` choices) can finish within the request's
+    deadline: `budget_s` from its arrival, `remaining_s` from now, after `wait_s` in the queue.
+    Beyond a deadline already passed, says nothing (admits) while no worker is measured."""
+    if remaining_s <= 0:
+        raise DoesNotFit(f"the request's deadline ({budget_s:.3g} s) passed before it could be "
+                         "sent to a worker: raise timeout", idle=True, param="timeout")
+    idle = times.estimate([(w, 0) for w, _ in workers], prompt_tokens, max_tokens, n)
+    if idle is None:
+        return
+    if idle > budget_s:
+        per_token = times.estimate([(w, 0) for w, _ in workers], 0, 1, n) or 0.0
+        raise DoesNotFit(
+            f"max_tokens={max_tokens} cannot finish within this request's deadline of "
+            f"{budget_s:.1f} s even on an idle worker (about {idle:.1f} s at the "
+            f"{per_token * 1000:.0f} ms a token measured): lower max_tokens or raise timeout",
+            idle=True)
+    busy = times.estimate(workers, prompt_tokens, max_tokens, n)
+    if busy is not None and wait_s + busy > remaining_s:
+        raise DoesNotFit(
+            f"at the current load a request of max_tokens={max_tokens} would take about "
+            f"{wait_s + busy:.1f} s, past its deadline ({remaining_s:.1f} s left)",
+            idle=False, retry_after=max(1.0, wait_s + busy - remaining_s))
