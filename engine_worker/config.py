@@ -49,9 +49,12 @@ class WorkerConfig:
                                 "channel) or int4 (group-wise, packed)")
     quant_group_size: int = setting(32, "INT4 group size: 32, 64 or 128; a layer whose input "
                                     "width it does not divide uses the largest that does")
-    dense_min_rows: int = setting(4, "GGUF-native weights: from this many rows a step computes "
+    dense_min_rows: int = setting(-1, "GGUF-native weights: from this many rows a step computes "
                                   "with a bfloat16 copy of each layer (~230 MiB more for "
-                                  "SmolLM2, faster batches); 0 keeps only the packed blocks")
+                                  "SmolLM2); 0 keeps only the packed blocks; -1 (default) "
+                                  "measures the paths on this host at the first start and "
+                                  "keeps the choice in the cache dir (no copy without native "
+                                  "bfloat16)")
     paged_attention: str = setting("auto", "CPU decode attention: auto (a C++ kernel reads the "
                                    "paged KV cache in place; built for this host on the first "
                                    "start, ~10 s, kept in the cache dir; gather where it cannot "
@@ -121,8 +124,8 @@ class WorkerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, or some decoding "
                              "sequences would never get a token")
         parse_kv_memory(self.kv_cache_memory)  # raises ValueError on a bad spelling
-        if self.max_model_len < 0 or self.threads < 0 or self.dense_min_rows < 0:
-            raise ValueError("max_model_len, threads and dense_min_rows must be >= 0")
+        if self.max_model_len < 0 or self.threads < 0 or self.dense_min_rows < -1:
+            raise ValueError("max_model_len and threads must be >= 0, dense_min_rows >= -1")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
         if bool(self.link_secret_key) != bool(self.link_gateway_key):

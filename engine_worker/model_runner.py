@@ -28,12 +28,14 @@ from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config, load_model
 from engine_worker.paged_attention import load_paged_attention
+from engine_worker.path_choice import AUTO, PathChoice, choose_paths, native_bf16
 from engine_worker.quant import QuantReport, quantize_model, weight_bytes
 from engine_worker.quant_group import load_group_gemv
 
-# From this many rows GGUF-native layers run a bfloat16 copy through oneDNN: the packed INT4
-# kernel is 2-3x slower at 16 rows, the group-wise INT8 head (one kernel call per 32 inputs)
-# ~4x. Costs 2 bytes a weight on top of the packed blocks: ~230 MiB for SmolLM2 (head 54 MiB).
+# With dense_min_rows given (not AUTO, which measures: engine_worker/path_choice.py): from this
+# many rows GGUF-native layers run a bfloat16 copy through oneDNN. On a CPU with native bfloat16
+# the packed INT4 kernel is 2-3x slower at 16 rows, the group-wise INT8 head ~4x; without it the
+# copy is 3x slower than the packed path. Costs 2 bytes a weight: ~230 MiB for SmolLM2.
 DENSE_ROWS = 4
 
 
@@ -63,7 +65,7 @@ class ModelRunner:
         quantization: str = "none",
         group_size: int = 32,
         gguf_path: Path | None = None,
-        dense_min_rows: int = DENSE_ROWS,
+        dense_min_rows: int = AUTO,
         paged_attention: str = "auto",
         compile_mode: str = "off",
         max_num_seqs: int = 32,
@@ -107,14 +109,25 @@ class ModelRunner:
         cache_dir = cache_dir or cache_dir_from_env()
         # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
         native_q8 = self.device.type == "cpu" and load_group_gemv(cache_dir) is None
+        self.paths: PathChoice | None = None  # what was measured for GGUF-native layers
         if gguf_path is not None:
             if quantization != "none" or dtype != torch.float32:
                 raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
-            self.model = load_gguf_model(gguf_path, cfg, self.device,
-                                         max_positions=max_model_len,
+            compute = dense_dtype = torch.bfloat16
+            if dense_min_rows == AUTO and self.device.type == "cpu":  # measured on this host
+                self.paths = choose_paths(gguf_path, cache_dir, num_layers=cfg.num_layers,
+                                          native_q8=native_q8)
+                compute = getattr(torch, self.paths.compute_dtype)
+                dense_min_rows = self.paths.dense_min_rows
+                dense_dtype = getattr(torch, self.paths.dense_dtype or "bfloat16")
+            dense_min_rows = DENSE_ROWS if dense_min_rows == AUTO else dense_min_rows
+            self.model = load_gguf_model(gguf_path, cfg, self.device, compute_dtype=compute,
+                                         max_positions=max_model_len, dense_dtype=dense_dtype,
                                          dense_min_rows=dense_min_rows, native_q8=native_q8)
             self.quant = QuantReport("gguf", weight_bytes(self.model), weight_bytes(self.model))
         else:
+            if dense_min_rows == AUTO:  # the INT4 mode's head copy is bfloat16: only if native
+                dense_min_rows = DENSE_ROWS if native_bf16() or self.device.type != "cpu" else 0
             self.model = load_model(Path(model_path), dtype, self.device,
                                     max_positions=max_model_len)
             # Weight-only INT8/INT4 module swaps (engine_worker/quant.py). INT4's (tied) LM
@@ -289,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dense-min-rows", type=int, default=AUTO,
+                    help="GGUF-native: a copy from this many rows (0: none; -1: measured)")
     ap.add_argument("--compile", default="off", choices=COMPILE_MODES,
                     help="decode: compiled one-token steps (benchmarks/bench_compiled_decode.py "
                          "compares them with eager side by side)")
@@ -304,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         kv_budget_bytes=1 << 30,
         num_threads=args.threads,
+        dense_min_rows=args.dense_min_rows,
         compile_mode=args.compile,
         max_num_seqs=max(int(x) for x in args.batch.split(",")),
         cache_dir=cache,

@@ -124,18 +124,19 @@ class Int4GroupLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.use_kernel = use_kernel
         self.dense_min_rows = 0
-        self.register_buffer("dense", None)  # (N, K) bfloat16 copy for many rows, if kept
+        self.register_buffer("dense", None)  # (N, K) float copy for many rows, if kept
 
-    def keep_dense(self, min_rows: int, weight: torch.Tensor | None = None) -> None:
-        """From `min_rows` rows up, compute with a bfloat16 copy of the weights through oneDNN:
-        the packed INT4 kernel is 2-3x slower than it at 16 rows (measured, SmolLM2 shapes),
-        faster at one. Costs 2 bytes a weight on top of the packed half byte."""
+    def keep_dense(self, min_rows: int, weight: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+        """From `min_rows` rows up, compute with a `dtype` copy of the weights through oneDNN
+        (2 or 4 bytes a weight on top of the packed half byte): where it wins is the host's
+        to say (engine_worker/path_choice.py measures it)."""
         if self.use_kernel and min_rows > 0:
             self.dense_min_rows = min_rows
             # `weight` (N, K), when the caller has it, spares reading the tiled bytes back
             # through the float32 kernel (seconds per layer)
             w = self.dequantize(torch.float32) if weight is None else weight
-            self.dense = w.to(torch.bfloat16)
+            self.dense = w.to(dtype)
 
     @classmethod
     def from_float(

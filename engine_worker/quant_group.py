@@ -65,9 +65,12 @@ class Int8GroupLinear(nn.Module):
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, *, use_kernel: bool | None = None,
         dense_min_rows: int = 0, native: bool = False,
+        compute_dtype: torch.dtype = torch.bfloat16, dense_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
-        dense_min_rows > 0 keeps a bfloat16 copy used from that many rows up (kernel mode).
+        dense_min_rows > 0 keeps a `dense_dtype` copy used from that many rows up (kernel mode).
+        compute_dtype: torch's per-group kernel's activations and the one-off matrix many rows
+        use without a copy (float32 where the CPU has no native bfloat16: path_choice.py).
         native: few rows go through our C++ kernel (`kestrel::q8_group_mm`, loaded by the
         caller with `load_group_gemv`), which reads the codes row-major, as given."""
         super().__init__()
@@ -79,20 +82,21 @@ class Int8GroupLinear(nn.Module):
             use_kernel = _INT8_MM is not None and codes.device.type == "cpu"
         self.out_features, self.in_features, self.groups = n, k, k // GROUP
         self.native = native and codes.device.type == "cpu"
+        self.compute_dtype = compute_dtype
         self.use_kernel = use_kernel or self.native
         if self.native:  # row-major, as the C++ kernel reads them
             self.register_buffer("codes", codes.contiguous())  # (N, K)
             self.register_buffer("scales", scales.float().contiguous())  # (N, G) float32
-            self.register_buffer("scales_bf16", None)
+            self.register_buffer("scales_kernel", None)
         else:  # group-major: each group's (N, 32) codes one matrix for torch's kernel
             g_codes = codes.view(n, self.groups, GROUP).transpose(0, 1).contiguous()  # (G, N, 32)
             self.register_buffer("codes", g_codes)
             self.register_buffer("scales", scales.float().t().contiguous())  # (G, N) float32
-            self.register_buffer("scales_bf16",
-                                 self.scales.to(torch.bfloat16) if use_kernel else None)
+            self.register_buffer("scales_kernel",
+                                 self.scales.to(compute_dtype) if use_kernel else None)
         self.dense_min_rows = dense_min_rows if self.use_kernel else 0
         self.register_buffer(
-            "dense", self.dequantize(torch.bfloat16) if self.dense_min_rows else None)
+            "dense", self.dequantize(dense_dtype) if self.dense_min_rows else None)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, *, use_kernel: bool | None = None,
@@ -134,19 +138,20 @@ class Int8GroupLinear(nn.Module):
         if not self.use_kernel:
             return F.linear(x, self.dequantize(x.dtype))
         if self.dense is not None and m >= self.dense_min_rows:
-            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+            return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
         if self.native:
-            if m > NATIVE_CHUNKED_ROWS:  # prefill without a dense copy: one transient bf16 matrix
-                return F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
+            if m > NATIVE_CHUNKED_ROWS:  # prefill without a dense copy: one transient matrix
+                cd = self.compute_dtype
+                return F.linear(x.to(cd), self.dequantize(cd)).to(x.dtype)
             xf = x.float().contiguous()
             ys = [torch.ops.kestrel.q8_group_mm(xf[i : i + NATIVE_MAX_ROWS], self.codes,
                                                 self.scales)
                   for i in range(0, m, NATIVE_MAX_ROWS)]  # (<=8, N) each
             return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)  # (M, N)
-        xg = x.to(torch.bfloat16).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
+        xg = x.to(self.compute_dtype).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
         acc = torch.zeros(m, self.out_features, dtype=torch.float32, device=x.device)  # (M, N)
         for g in range(self.groups):  # (M, 32) @ (32, N) per group, scaled per output channel
-            acc += _INT8_MM(xg[g], self.codes[g], self.scales_bf16[g])  # type: ignore[misc]
+            acc += _INT8_MM(xg[g], self.codes[g], self.scales_kernel[g])  # type: ignore[misc]
         return acc.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -128,7 +128,8 @@ def dequant(b: Blocks) -> np.ndarray:
 
 
 def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_kernel: bool,
-              dense_min_rows: int, native_q8: bool = False) -> nn.Module:
+              dense_min_rows: int, native_q8: bool = False,
+              dense_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Blocks -> a layer computing x @ w.T (INT4/INT8 for quantized kinds, Linear for float)."""
     codes = torch.from_numpy(np.ascontiguousarray(b.codes)).to(device)
     if b.kind == "int4":
@@ -139,11 +140,12 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
         z = torch.from_numpy(b.zero).to(device, cd)
         layer = Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
         if kernel and dense_min_rows:
-            layer.keep_dense(dense_min_rows, torch.from_numpy(dequant(b)).to(device))
+            layer.keep_dense(dense_min_rows, torch.from_numpy(dequant(b)).to(device), dense_dtype)
         return layer
     if b.kind == "int8":
         return Int8GroupLinear(codes, torch.from_numpy(b.scale).to(device), use_kernel=use_kernel,
-                               dense_min_rows=dense_min_rows, native=native_q8 and use_kernel)
+                               dense_min_rows=dense_min_rows, native=native_q8 and use_kernel,
+                               compute_dtype=compute_dtype, dense_dtype=dense_dtype)
     n, k = codes.shape
     lin = Linear(k, n, bias=False, device="meta")
     lin.weight = nn.Parameter(codes.to(torch.float32), requires_grad=False)
@@ -154,6 +156,7 @@ def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
     use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
+    dense_dtype: torch.dtype = torch.bfloat16,
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
     packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
@@ -174,18 +177,19 @@ def load_gguf_model(
     q_order = unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
     k_order = unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     def mk(b: Blocks) -> nn.Module:
-        return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows, native_q8)
+        return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows, native_q8,
+                         dense_dtype)
+
+    def mk_head(b: Blocks) -> nn.Module:
+        # A float32 copy of the head (113 MB for SmolLM2) would serve only batches of many
+        # sequences (the head sees one row a sequence); a bfloat16 copy earns its keep there.
+        rows = dense_min_rows if dense_dtype == torch.bfloat16 else 0
+        return to_module(b, device, compute_dtype, bool(use_kernel), rows, native_q8)
 
     for i, layer in enumerate(model.model.layers):
-        parts: dict[str, list[Blocks]] = {}
-        for suffix, (target, _) in sorted(_LAYER_NAMES.items(), key=lambda kv: kv[1][1]):
-            b = read_tensor(tensors[f"blk.{i}.{suffix}.weight"])
-            if suffix in ("attn_q", "attn_k"):
-                b = b.take_rows(q_order if suffix == "attn_q" else k_order)
-            parts.setdefault(target, []).append(b)
-        for target, blocks in parts.items():
+        for target, b in _layer_parts(tensors, i, q_order, k_order).items():
             parent, _, attr = target.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, mk(_cat(blocks)))
+            setattr(layer.get_submodule(parent), attr, mk(b))
         for suffix, name in _NORMS.items():
             floats[f"model.layers.{i}.{name}"] = _float(tensors[f"blk.{i}.{suffix}.weight"])
         if (i + 1) % 10 == 0 or i + 1 == cfg.num_layers:
@@ -196,13 +200,13 @@ def load_gguf_model(
     head = read_tensor(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
     if embed.kind == "int8":  # the head reads the same table unless the file has its own
-        table = mk(embed)
+        table = mk_head(embed)
         model.model.embed_tokens = Int8GroupEmbedding(table, torch.float32)  # type: ignore
-        model.lm_head = table if head is None else mk(head)
+        model.lm_head = table if head is None else mk_head(head)
     else:
         model.model.embed_tokens = nn.Embedding.from_pretrained(
             torch.from_numpy(dequant(embed)).to(device), freeze=True)
-        model.lm_head = None if head is None else mk(head)
+        model.lm_head = None if head is None else mk_head(head)
     model.load_state_dict({k: v.to(device) for k, v in floats.items()}, strict=False,
                           assign=True)
     left = [n for n, t in model.state_dict(keep_vars=True).items()
@@ -213,6 +217,27 @@ def load_gguf_model(
     model.init_rope(max_positions or cfg.max_position_embeddings, device, torch.float32)
     log.info("gguf-native weights loaded in %.1f s", time.monotonic() - t0)
     return model
+
+
+def _layer_parts(tensors: dict[str, Any], i: int, q_order: np.ndarray | None = None,
+                 k_order: np.ndarray | None = None) -> dict[str, Blocks]:
+    """Layer i's fused matmuls (q|k|v, o, gate|up, down) as Blocks, by target module."""
+    parts: dict[str, list[Blocks]] = {}
+    for suffix, (target, _) in sorted(_LAYER_NAMES.items(), key=lambda kv: kv[1][1]):
+        b = read_tensor(tensors[f"blk.{i}.{suffix}.weight"])
+        order = q_order if suffix == "attn_q" else k_order if suffix == "attn_k" else None
+        if order is not None:
+            b = b.take_rows(order)
+        parts.setdefault(target, []).append(b)
+    return {target: _cat(blocks) for target, blocks in parts.items()}
+
+
+def layer_blocks(gguf_path: Path, i: int = 0) -> list[Blocks]:
+    """Layer i's fused matmuls, rows as stored (for timing them: engine_worker/path_choice)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    return list(_layer_parts({t.name: t for t in reader.tensors}, i).values())
 
 
 def _float(t: Any) -> torch.Tensor:

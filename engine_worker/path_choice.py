@@ -1,0 +1,188 @@
+"""Which compute path GGUF-native layers take on this host, chosen by measuring, not assumed.
+
+    ModelRunner(gguf_path, dense_min_rows=AUTO)
+      -> choose_paths(gguf, cfg, cache_dir)
+           key = CPU flags, torch version, ISA caps, threads, layer shapes
+           <cache_dir>/paths/<key>.json exists? -> that choice (milliseconds)
+           else: one layer's real blocks, each candidate this CPU has the instructions for,
+                 timed at the row counts serving uses (decode batches 1..32, a prefill chunk)
+                 -> the fastest per row count -> written there, logged
+      -> load_gguf_model(compute_dtype=..., dense_min_rows=...) and Int8GroupLinear's
+         many-row dtype
+
+The candidates:
+  - packed kernels (torch's INT4 kernel, our Q8_0 kernel or torch's INT8 one) with their
+    activations in bfloat16 or float32 (torch's INT4 kernel in float32 measured 20x slower
+    than in bfloat16 on two CPUs without native bfloat16: which wins is not obvious);
+  - a float32 copy of each layer through oneDNN from some row count up (4 bytes a weight: a
+    prefill chunk of 128 rows ran 2x (AVX512) to 6x (AVX2) faster than the packed kernel),
+    only while all layers' copy fits COPY_BUDGET_BYTES;
+  - a bfloat16 copy (2 bytes a weight, the same budget), only where the CPU computes it natively
+    (AVX512-BF16 or AMX): elsewhere oneDNN converts every element to float32 and back, 1.8x
+    slower than the packed path at 16 rows on an AVX2 host.
+The choice is the same for every row of a batch at a given batch size; it changes only with the
+number of rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_worker.kernel_build import _cpu_flags
+
+log = logging.getLogger("kestrel.paths")
+
+AUTO = -1  # dense_min_rows: chosen here
+# The most memory a copy of the layers may take (all layers; a float32 copy leaves the head
+# packed): SmolLM2's float32 copy is 0.36 GB; a 1.5B model's would be 6 GB, where the packed path
+# must do.
+COPY_BUDGET_BYTES = 512 << 20
+DECODE_ROWS = (1, 2, 4, 8, 16, 32)
+PREFILL_ROWS = (64, 128)
+CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KESTREL_CPU_ISA")
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    compute_dtype: str  # packed kernels' activations: "float32" or "bfloat16"
+    dense_dtype: str  # the copy many rows compute with: "bfloat16", "float32" or "" (none)
+    dense_min_rows: int  # from this many rows up; 0: no copy
+    native_bf16: bool  # whether a bfloat16 copy was a candidate at all
+    timings_ms: dict[str, dict[str, float]]  # candidate -> rows -> ms for one layer's matmuls
+
+    def describe(self) -> str:
+        dense = f"a {self.dense_dtype} copy from {self.dense_min_rows} rows" \
+            if self.dense_min_rows else "no copy"
+        why = "" if self.native_bf16 else " (no native bfloat16 here)"
+        return f"packed kernels in {self.compute_dtype}, {dense}{why}"
+
+
+def native_bf16(flags: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively and nothing caps it below that."""
+    have = set((flags if flags is not None else _cpu_flags()).split())
+    if not have & {"avx512_bf16", "amx_bf16"}:
+        return False
+    capped = {os.environ.get("ATEN_CPU_CAPABILITY", "").lower(),
+              os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower(),
+              os.environ.get("KESTREL_CPU_ISA", "").lower()}
+    return not capped & {"avx2", "avx", "sse4", "default", "avx512", "avx512_core",
+                         "avx512_core_vnni"}
+
+
+def _key(shapes: list[Any]) -> str:
+    h = hashlib.sha256(_cpu_flags().encode())
+    h.update(torch.__version__.encode())
+    h.update(str(torch.get_num_threads()).encode())
+    for var in CAP_VARS:
+        h.update(f"{var}={os.environ.get(var, '')}".encode())
+    h.update(json.dumps(shapes).encode())
+    return h.hexdigest()[:16]
+
+
+def _time_ms(fn: Any, budget_s: float = 0.05, max_reps: int = 20) -> float:
+    """Median milliseconds of `fn()` after a warm-up, repeated within about `budget_s`."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def measure(layers: dict[str, list[torch.nn.Module]], rows: tuple[int, ...],
+            give_up: float = 8.0) -> dict[str, dict[str, float]]:
+    """ms per candidate per row count, summed over one transformer layer's matmuls.
+    `layers`: candidate name -> the layer's modules built for it (the same weights). A
+    candidate `give_up` times slower than the best at some row count is not timed further."""
+    out: dict[str, dict[str, float]] = {name: {} for name in layers}
+
+    def hopeless(name: str, r: str) -> bool:
+        best = min(t[r] for t in out.values() if r in t)
+        return r not in out[name] or out[name][r] > give_up * max(best, 1e-3)
+
+    with torch.inference_mode():
+        for i, m in enumerate(rows):
+            for name, mods in layers.items():
+                if i and hopeless(name, str(rows[0])) and hopeless(name, str(rows[i - 1])):
+                    continue  # a reference path, not a contender (twice over: not noise)
+                xs = [torch.randn(m, mod.in_features) for mod in mods]
+                out[name][str(m)] = round(sum(
+                    _time_ms(lambda mod=mod, x=x: mod(x)) for mod, x in zip(mods, xs, strict=True)
+                ), 4)
+    return out
+
+
+def decide(timings: dict[str, dict[str, float]], bf16: bool) -> PathChoice:
+    """The packed dtype fastest over the decode rows; then the copy (if any) that beats it from
+    some row count up to the largest measured, the earliest such, the faster one at the most
+    rows between two that qualify."""
+    packed = {n.removeprefix("packed-"): t for n, t in timings.items() if n.startswith("packed-")}
+    # the one timed at the most rows (a hopeless one stopped early), then the least time there
+    dtype = min(packed, key=lambda n: (-len(packed[n]), sum(packed[n].values())))
+    base = packed[dtype]
+    best: tuple[float, str, int] | None = None  # (ms at the most rows, dtype, from rows)
+    for name, t in timings.items():
+        if not name.startswith("dense-") or set(t) != set(base):
+            continue
+        counts = sorted(int(r) for r in t)
+        start = next((r for i, r in enumerate(counts)
+                      if all(t[str(q)] < base[str(q)] for q in counts[i:])), 0)
+        if start and (best is None or t[str(counts[-1])] < best[0]):
+            best = (t[str(counts[-1])], name.removeprefix("dense-"), start)
+    if best is None:
+        return PathChoice(dtype, "", 0, bf16, timings)
+    return PathChoice(dtype, best[1], best[2], bf16, timings)
+
+
+def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: str = "cpu",
+                 native_q8: bool = False, copy_budget: int = COPY_BUDGET_BYTES) -> PathChoice:
+    """The choice for this host and model, from the cache dir or measured now (a few s).
+    A copy whose `num_layers` layers would take more than `copy_budget` bytes is no candidate."""
+    from engine_worker.model.gguf_native import layer_blocks, to_module
+
+    blocks = layer_blocks(gguf_path, 0)
+    shapes = [(b.kind, *b.codes.shape) for b in blocks]
+    weights = num_layers * sum(int(b.codes.shape[0]) * int(b.codes.shape[1]) for b in blocks)
+    path = Path(cache_dir) / "paths" / f"{_key([*shapes, num_layers, copy_budget])}.json"
+    bf16 = native_bf16()
+    try:
+        saved = json.loads(path.read_text())
+        choice = PathChoice(**saved)
+        log.info("compute paths for this host (cached in %s): %s", path, choice.describe())
+        return choice
+    except (OSError, ValueError, TypeError):
+        pass
+    t0 = time.monotonic()
+    dev = torch.device(device)
+    f32, b16 = torch.float32, torch.bfloat16
+    candidates = {"packed-bfloat16": (b16, 0, b16), "packed-float32": (f32, 0, b16)}
+    if 4 * weights <= copy_budget:
+        candidates["dense-float32"] = (b16, 1, f32)
+    if bf16 and 2 * weights <= copy_budget:  # elsewhere every element is converted to float32
+        candidates["dense-bfloat16"] = (b16, 1, b16)  # and back: never a contender
+    layers = {name: [to_module(b, dev, dtype, True, dense, native_q8, dense_dtype)
+                     for b in blocks]
+              for name, (dtype, dense, dense_dtype) in candidates.items()}
+    choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)
+    log.info("compute paths for this host, measured in %.1f s: %s; ms per layer by rows: %s",
+             time.monotonic() - t0, choice.describe(), json.dumps(choice.timings_ms))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(choice), indent=1))
+        tmp.replace(path)  # atomic: a concurrent start reads a whole file or none
+    except OSError as e:
+        log.warning("could not keep the compute path choice in %s: %s", path, e)
+    return choice

@@ -1,0 +1,102 @@
+"""Tests for engine_worker/path_choice.py: the compute path of GGUF-native layers is chosen on
+the host by measurement, among the candidates the CPU has instructions for, kept in the cache
+dir under a key of the CPU, torch, the ISA caps and the shapes, and read back without timing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from engine_worker import path_choice
+from engine_worker.model.loader import load_config
+from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.path_choice import AUTO, choose_paths, decide, native_bf16
+from tests.engine_worker.gguf_factory import write_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def rows(*ms: float) -> dict[str, float]:
+    return {str(r): m for r, m in zip((1, 2, 4, 8, 16, 32, 64, 128), ms, strict=False)}
+
+
+def test_decide_takes_the_faster_packed_dtype_and_a_copy_only_where_it_keeps_winning() -> None:
+    timings = {
+        "packed-bfloat16": rows(1, 1, 2, 3, 5, 9, 17, 33),
+        "packed-float32": rows(20),  # stopped early: hopeless
+        "dense-float32": rows(2, 2, 3, 3, 6, 8, 9, 10),  # wins from 32 rows on (16 is noise)
+    }
+    choice = decide(timings, bf16=False)
+    assert (choice.compute_dtype, choice.dense_dtype, choice.dense_min_rows) == \
+        ("bfloat16", "float32", 32)
+    never = {**timings, "dense-float32": rows(2, 2, 3, 4, 6, 10, 18, 40)}
+    assert decide(never, bf16=False).dense_min_rows == 0
+    both = {**timings, "dense-bfloat16": rows(2, 2, 2, 2, 4, 7, 8, 9)}
+    choice = decide(both, bf16=True)  # the copy faster at the most rows
+    assert (choice.dense_dtype, choice.dense_min_rows) == ("bfloat16", 8)
+    assert "a bfloat16 copy from 8 rows" in choice.describe()
+
+
+def test_bfloat16_is_native_only_with_its_instructions_and_no_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in path_choice.CAP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not native_bf16("fpu avx2 fma avx512f avx512_vnni")  # Ice Lake, Zen 3: no
+    assert native_bf16("fpu avx2 avx512f avx512_bf16")
+    assert native_bf16("fpu amx_bf16 amx_tile")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # proving the AVX2 path on this host
+    assert not native_bf16("fpu avx2 avx512f avx512_bf16")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = load_config(tiny_dir)
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("paths") / "tiny.gguf", Q.Q4_1, Q.Q8_0,
+                      cfg.num_heads, cfg.num_kv_heads)
+
+
+def test_choice_is_measured_once_then_read_from_the_cache_dir(
+        tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="kestrel.paths"):
+        first = choose_paths(tiny_q4, tmp_path, num_layers=2)
+    assert "measured in" in caplog.text
+    [saved] = (tmp_path / "paths").glob("*.json")
+    timed = json.loads(saved.read_text())["timings_ms"]
+    assert {"packed-bfloat16", "packed-float32", "dense-float32"} <= set(timed)
+    assert ("dense-bfloat16" in timed) == native_bf16()  # no emulated bfloat16 copy
+    assert first.compute_dtype in ("bfloat16", "float32")
+
+    def no_timing(*_a: object, **_k: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(path_choice, "measure", no_timing)
+    assert choose_paths(tiny_q4, tmp_path, num_layers=2) == first
+    # Another ISA cap is another host as far as the choice goes: its own key.
+    monkeypatch.setenv("KESTREL_CPU_ISA", "native-for-this-test")
+    with pytest.raises(AssertionError, match="measured again"):
+        choose_paths(tiny_q4, tmp_path, num_layers=2)
+
+
+def test_a_copy_over_the_memory_budget_is_no_candidate(tiny_q4: Path, tmp_path: Path) -> None:
+    small = choose_paths(tiny_q4, tmp_path, num_layers=2, copy_budget=1000)
+    assert set(small.timings_ms) == {"packed-bfloat16", "packed-float32"}
+    assert small.dense_min_rows == 0 and small.dense_dtype == ""
+
+
+def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
+                                                cache_dir: Path) -> None:
+    runner = ModelRunner(tiny_dir, gguf_path=tiny_q4, kv_budget_bytes=1 << 22,
+                         dense_min_rows=AUTO, cache_dir=cache_dir)  # the kernels built once
+    assert runner.paths is not None
+    layer = runner.model.model.layers[0].mlp.down_proj
+    want = runner.paths.dense_min_rows
+    assert layer.dense_min_rows == want
+    if want:
+        assert layer.dense.dtype == getattr(torch, runner.paths.dense_dtype)
+    logits = runner.execute([StepItem(list(range(1, 40)), 0, [0, 1, 2])])
+    assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
