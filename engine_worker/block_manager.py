@@ -32,6 +32,12 @@ from engine_worker.sequence import Sequence
 _ROOT_HASH = hashlib.sha256(b"kestrel prefix cache root").digest()
 
 
+def root_hash(salt: bytes) -> bytes:
+    """Where a sequence's chain starts: one root per prefix-cache tenant, so a block cached for
+    one salt is never found by another (nor its hit reported to it)."""
+    return _ROOT_HASH if not salt else hashlib.sha256(_ROOT_HASH + salt).digest()
+
+
 def chain_hash(prev_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
     """Key of a full block given the key of the block before it: SHA-256 over the parent's
     32-byte digest and the tokens as signed 64-bit ints (fixed width, so no two token tuples of
@@ -109,7 +115,7 @@ class BlockManager:
         tokens = seq.token_ids
         blocks: list[int] = []
         hashes: list[bytes] = []
-        h = _ROOT_HASH
+        h = root_hash(seq.cache_salt)
         for i in range((seq.num_tokens - 1) // bs):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             parent, h = h, chain_hash(h, block_tokens)
@@ -183,7 +189,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            prev = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+            prev = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.cache_salt)
             h = chain_hash(prev, block_tokens)
             seq.block_hashes.append(h)
             block = self._blocks[seq.block_table[i]]

@@ -89,6 +89,7 @@ class Engine:
         # n > 1: one group, so siblings wait for the first one's prompt and share its blocks.
         seqs = Scheduler.make_group(gen.request_id, list(gen.prompt_token_ids), params)
         for i, seq in enumerate(seqs):
+            seq.cache_salt = gen.cache_salt.encode()
             # Each choice has its own generator: seed s gives choice i the stream of seed s + i,
             # so n > 1 choices differ yet stay reproducible.
             seed = None if params.seed is None else params.seed + i

@@ -58,6 +58,7 @@ class Sequence:
         self.block_table: list[int] = []
         # Hash-chain value of each full, computed block, in table order (see block_manager).
         self.block_hashes: list[bytes] = []
+        self.cache_salt = b""  # the prefix cache's tenant (Generate.cache_salt): its own chains
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # from the prefix cache at the first allocation (for the API)
         self.num_allocations = 0  # > 1 after a preemption and re-admission

@@ -155,7 +155,7 @@ class EngineClient:
         if not candidates:
             raise NoWorkerError(f"no ready worker serves {model_id!r} with a context of "
                                 f"{need} tokens")
-        worker = self.router.pick(candidates, gen.prompt_token_ids)
+        worker = self.router.pick(candidates, gen.prompt_token_ids, gen.cache_salt)
         handle = RequestHandle(gen, worker, deadline)
         self.requests[gen.request_id] = handle
         await self._send_generate(handle, worker)

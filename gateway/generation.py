@@ -139,7 +139,8 @@ class _Choice:
 class Generation:
     def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
-                 deadline: float, arrival: float, slot: Slot, grammar: str | None = None) -> None:
+                 deadline: float, arrival: float, slot: Slot, grammar: str | None = None,
+                 cache_salt: str = "") -> None:
         self.client = client
         self.model = model
         self.request_id = request_id
@@ -155,6 +156,7 @@ class Generation:
         self._live = False  # the worker may still be generating for us
         self.grammar = grammar  # llguidance grammar for the worker's mask; None: free text
         self.traceparent: str | None = None  # set by the tracer before start(); None: off
+        self.cache_salt = cache_salt  # the prefix cache's tenant (gateway/tenancy.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -177,7 +179,8 @@ class Generation:
         # The link sends the time left (timeout_s), never a wall-clock instant: the worker's
         # clock need not agree with ours.
         gen = m.Generate(self.request_id, self.prompt_ids, self.params,
-                         grammar=self.grammar, traceparent=self.traceparent)
+                         grammar=self.grammar, traceparent=self.traceparent,
+                         cache_salt=self.cache_salt)
         # Taken before the await: once it yields, a busy loop may resume us after the worker
         # has already answered.
         self.timings.sent = time.monotonic()

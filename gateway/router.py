@@ -37,11 +37,11 @@ class Routable(Protocol):
     identity: bytes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
     """One digest per full block; each covers the block and everything before it (a chain), so
-    equal digests mean equal prefixes."""
+    equal digests mean equal prefixes (of the same prefix-cache tenant, `salt`)."""
     out: list[bytes] = []
-    parent = b""
+    parent = salt.encode()
     full = len(token_ids) // block_size * block_size
     raw = struct.pack(f"<{full}i", *token_ids[:full])  # one pack, not one call per token
     step = 4 * block_size
@@ -101,7 +101,8 @@ class Router:
             index = self._indexes[w.identity] = PrefixIndex(blocks)
         return index
 
-    def pick(self, candidates: Sequence[Routable], prompt_ids: Sequence[int]) -> Routable:
+    def pick(self, candidates: Sequence[Routable], prompt_ids: Sequence[int],
+             salt: str = "") -> Routable:
         """The worker for this prompt; `candidates` must not be empty."""
         if len(candidates) == 1 and self.policy == "least_loaded":
             return candidates[0]
@@ -111,7 +112,7 @@ class Router:
         def hashes(w: Routable) -> list[bytes]:
             size = w.hello.block_size
             if size not in hashes_by_size:
-                hashes_by_size[size] = block_hashes(prompt_ids, size)
+                hashes_by_size[size] = block_hashes(prompt_ids, size, salt)
             return hashes_by_size[size]
 
         if self.policy == "least_loaded" or max(loads) - min(loads) > self.imbalance:

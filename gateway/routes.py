@@ -21,6 +21,7 @@ from gateway.formatters import FORMATTERS, Formatter
 from gateway.generation import EngineFailure, Generation
 from gateway.service import GatewayState, Prepared
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
+from gateway.tenancy import cache_salt
 
 DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("kestrel.gateway")
@@ -34,7 +35,7 @@ async def run_route(request: Request, route: str) -> Response:
     fmt_cls: type[Formatter] = FORMATTERS[route]
     ticket: Ticket | None = None
     try:
-        state.guard(request)
+        key = state.guard(request)
         state.precheck()  # a 429 costs no body read, no tokenizing, no thread
         body = state.parse(fmt_cls.schema, await state.read_json(request))
         fmt = fmt_cls(state, body)
@@ -48,6 +49,7 @@ async def run_route(request: Request, route: str) -> Response:
             state.record(route, 499, None, arrival, request_id, "aborted")
             return Response(status_code=499)
         prep = prepared
+        prep.cache_salt = cache_salt(key, getattr(body, "cache_salt", None))
         state.check_fit(prep, ticket)  # 400 or 429 now, not a 504 after the deadline
         if fmt.stream and not ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments

@@ -52,6 +52,8 @@ class StreamOptions(_Strict):
 
 class _StopField(_Strict):
     stop: str | list[str] | None = None
+    # vLLM's extension: requests share cached prefixes only with the same salt (and key).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -45,6 +45,7 @@ class Prepared:
     deadline: float
     arrival: float
     grammar: str | None = None  # structured output (gateway/structured.py)
+    cache_salt: str = ""  # the prefix cache's tenant (gateway/tenancy.py)
 
 
 class GatewayState:
@@ -114,7 +115,8 @@ class GatewayState:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return key.strip()
 
-    def guard(self, request: Request) -> None:
+    def guard(self, request: Request) -> str | None:
+        """Keys, draining, the rate limit; returns the caller's key (None: keys are off)."""
         key = self.check_key(request)
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -127,6 +129,7 @@ class GatewayState:
             raise APIError(429, "rate limit exceeded for this client", code="rate_limited",
                            headers={"Retry-After": str(max(1, math.ceil(wait))),
                                     "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
+        return key
 
     async def read_json(self, request: Request) -> Any:
         return await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
@@ -256,7 +259,8 @@ class GatewayState:
             ticket.cancel()
             raise
         gen = Generation(self.client, prep.model, new_request_id(), prep.prompt_ids, prep.params,
-                         prep.stop, prep.deadline, prep.arrival, slot, grammar=prep.grammar)
+                         prep.stop, prep.deadline, prep.arrival, slot, grammar=prep.grammar,
+                         cache_salt=prep.cache_salt)
         if self.tracer is not None:  # the span opens here so its context reaches the worker
             self.tracer.start(gen)
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 # 2: Generate carries the remaining time (timeout_s), not a wall-clock deadline; Hello carries
 # the KV block size and a tokenizer digest.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Generate.cache_salt
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,9 @@ class Generate:
     # W3C trace context ("00-<trace id>-<span id>-<flags>") of the gateway's request span, so the
     # worker's span joins the same trace; None when tracing is off.
     traceparent: str | None = None
+    # The prefix cache's tenant: blocks are shared only between requests with the same salt
+    # (the gateway derives it from the API key and the request's own cache_salt). "": shared.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

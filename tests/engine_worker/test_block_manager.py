@@ -281,3 +281,22 @@ def test_a_cached_block_is_served_only_after_the_same_parent(
     d = make_seq(u0 + t1 + [0])
     bm.allocate(d)
     assert d.num_computed_tokens == BS  # u0 only: a's block 1 follows another prefix
+
+
+def test_a_prefix_cached_under_one_salt_is_not_found_under_another() -> None:
+    bm = BlockManager(20, BS)
+    alice = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "alice-1")
+    alice.cache_salt = b"alice"
+    bm.allocate(alice)
+    compute_all(bm, alice)
+    bob = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "bob-1")
+    bob.cache_salt = b"bob"
+    bm.allocate(bob)
+    assert bob.num_cached_tokens == 0 and not set(bob.block_table) & set(alice.block_table)
+    shared = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "anon")  # no salt: the shared cache, also cold
+    bm.allocate(shared)
+    assert shared.num_cached_tokens == 0
+    again = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "alice-2")
+    again.cache_salt = b"alice"
+    bm.allocate(again)
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == alice.block_table[:2]
