@@ -159,21 +159,24 @@ class GatewayState:
         return await asyncio.to_thread(func, *args)
 
     def _load(self, model_id: str) -> list[tuple[str, int]]:
-        """(worker id, sequences it runs now) for the ready workers of the model."""
-        return [(w.hello.worker_id, max(len(w.inflight), w.stats.running))
+        """(worker id, sequences it runs for us now) for the ready workers of the model: our
+        own count (each request's n), not the heartbeat's, which may be a second old."""
+        reqs = self.client.requests
+        return [(w.hello.worker_id, sum(reqs[r].gen.params.n for r in w.inflight if r in reqs))
                 for w in self.client.registry.candidates(model_id)]
 
     def make_params(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,
                     default_max: int, deadline: float, **fields: Any) -> m.SamplingParams:
         """An absent max_tokens is the route's default, within the cap and the context, and
-        within what the model's fastest worker was measured to finish before `deadline` when
-        idle: a plain request ends with "length", never in a 504."""
+        within what the model's fastest worker was measured to finish before `deadline` at its
+        current load: a plain request ends with "length", never in a 504 nor refused for a
+        default it did not choose."""
         room = model.hello.max_model_len - prompt_len
         if max_tokens is None:
             max_tokens = min(default_max, self.cfg.max_tokens_cap, room)
             fits = self.service_times.tokens_within(
-                [(w, 0) for w, _ in self._load(model.model_id)], prompt_len,
-                deadline - time.monotonic(), fields.get("n", 1))
+                self._load(model.model_id), prompt_len, deadline - time.monotonic(),
+                fields.get("n", 1))
             if fits is not None:
                 max_tokens = max(1, min(max_tokens, fits))
             if room < 1:

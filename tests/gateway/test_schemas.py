@@ -160,7 +160,7 @@ def test_absent_max_tokens_is_the_routes_default_within_cap_and_context(gw_state
 
 
 def test_absent_max_tokens_is_cut_to_what_the_deadline_fits(gw_state: Any) -> None:
-    gw_state._load = lambda model_id: [("w", 3)]
+    gw_state._load = lambda model_id: [("w", 0)]  # idle
     assert params(gw_state, 10, None, seconds=1.0).max_tokens == 30  # nothing measured yet
     # 0.1 s for 10 prompt tokens, then 50 ms a token
     gw_state.service_times.observe("w", 1, 10, 0.1, 0.05)
