@@ -1,7 +1,8 @@
 """llama.cpp's llama-server against ours, same GGUF, same streaming load, alternating in one run.
 
     python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
-        [--ours auto,float32,int4,auto+compile] [--streams 1,16] [--requests-1 4] [--requests-16 32]
+        [--ours auto,float32,int4,auto+compile,auto+dense4] [--streams 1,16] [--requests-1 4]
+        [--requests-16 32] [--neighbour]
 
 Data flow: for each round, for each server (llama-server if a binary is given, then ours in
 each mode of --ours; the order flips every round so neither always runs on a warmer machine):
@@ -9,7 +10,10 @@ start it on loopback, wait until ready, run `kestrel-loadgen run` in closed loop
 streams (unique synthetic ~200-token prompts cut with SmolLM2's tokenizer, 128 new tokens,
 ignore_eos, completions API), stop it. Then print the table of the issue: ITL p50 at 1 stream,
 output tok/s at 1 and 16 streams, TTFT p50 at 1 stream (the median over rounds of each figure).
-Without --llama-server its column is skipped, with a message saying so.
+Without --llama-server its column is skipped, with a message saying so. A mode's "+compile"
+adds --compile decode, "+denseN" pins --dense-min-rows N (the measured choice otherwise).
+--neighbour keeps one core busy (a process spinning, pinned to CPU 0) for the whole run: a host
+shared with other work.
 """
 
 from __future__ import annotations
@@ -47,11 +51,14 @@ def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess
 
 def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
     """mode: a --dtype (auto, float32, ...) or int8/int4 (--quantization, float32 activations),
-    with "+compile" for --compile decode (e.g. auto+compile)."""
-    mode, plus, _ = mode.partition("+compile")
+    with "+compile" for --compile decode (e.g. auto+compile), "+denseN" for --dense-min-rows N."""
+    mode, *extras = mode.split("+")
+    dense = next((x.removeprefix("dense") for x in extras if x.startswith("dense")), "-1")
     quant = mode if mode in ("int8", "int4") else "none"
     env = {**os.environ, "PORT": str(port), "KESTREL_DTYPE": "auto" if quant != "none" else mode,
-           "KESTREL_QUANTIZATION": quant, "KESTREL_COMPILE": "decode" if plus else "off",
+           "KESTREL_QUANTIZATION": quant,
+           "KESTREL_COMPILE": "decode" if "compile" in extras else "off",
+           "KESTREL_DENSE_MIN_ROWS": dense,
            "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--requests-1", type=int, default=4)
     ap.add_argument("--requests-16", type=int, default=32)
+    ap.add_argument("--neighbour", action="store_true",
+                    help="a process keeps CPU 0 busy for the whole run")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
@@ -137,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine_worker.config import cache_dir_from_env
     cache = cache_dir_from_env()
     tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
-    servers: list[str] = [f"ours --quantization {d}" if d.split("+")[0] in ("int8", "int4") else
-                          f"ours --dtype {d}" for d in args.ours.split(",") if d]
-    servers = [s.replace("+compile", " --compile decode") for s in servers]
+    modes = {f"ours {d}": d for d in args.ours.split(",") if d}
+    servers: list[str] = list(modes)
     if args.llama_server is None:
         print("llama-server: skipped (no --llama-server PATH given)", flush=True)
     elif not args.llama_server.is_file():
@@ -147,17 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         servers.insert(0, "llama-server")
     results: dict[str, list[dict[str, float]]] = {s: [] for s in servers}
-    for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}", flush=True)
-        for name in (servers if r % 2 == 0 else servers[::-1]):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            if name == "llama-server":
-                proc = start_llama(args.llama_server, gguf, args.threads, port)
-            else:
-                mode = name.split()[2] + ("+compile" if name.endswith("decode") else "")
-                proc = start_ours(mode, args.gguf, port)
-            results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
+    neighbour = subprocess.Popen(  # spins on CPU 0 until killed
+        [sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"]
+    ) if args.neighbour else None
+    try:
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}", flush=True)
+            for name in (servers if r % 2 == 0 else servers[::-1]):
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                if name == "llama-server":
+                    proc = start_llama(args.llama_server, gguf, args.threads, port)
+                else:
+                    proc = start_ours(modes[name], args.gguf, port)
+                results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
     rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
             ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),
             ("failed requests", "failed"))
@@ -168,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"\n{gguf.name}, prompts {PROMPT} tokens (unique), {OUTPUT} new tokens, ignore_eos, "
           f"closed loop; {args.requests_1} requests at 1 stream, {args.requests_16} at 16; "
-          f"median of {args.rounds} round(s)")
+          f"median of {args.rounds} round(s)"
+          + ("; a neighbour process kept CPU 0 busy throughout" if args.neighbour else ""))
     return 0
 
 
