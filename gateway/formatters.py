@@ -60,6 +60,9 @@ class Formatter:
     async def _prepare(self, arrival: float, prompt_chars: int, tokenize: Any, *args: Any,
                        max_tokens: int | None, stop: list[str], **params: Any) -> Prepared:
         cfg = self.state.cfg
+        if getattr(self.body, "logit_bias", None):
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
+                           code="unsupported_parameter")
         try:
             check_limits(prompt_chars, max_tokens, max_prompt_chars=cfg.max_prompt_chars,
                          max_tokens_cap=cfg.max_tokens_cap)

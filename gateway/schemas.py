@@ -88,6 +88,8 @@ class _SamplingFields(_StopField):
     speculative: bool = True  # extension: False opts this request out of speculative decoding
     timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
     user: str | None = None
+    # Declared so that it is refused (400), never silently ignored: the worker has no logit bias.
+    logit_bias: dict[str, float] | None = None
     # Structured output (gateway/structured.py): OpenAI's response_format and vLLM's extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | bool | None = None

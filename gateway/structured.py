@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from llguidance import LLMatcher, grammar_from
@@ -132,5 +133,15 @@ async def request_grammar(body: Any, tools_lark: str | None = None) -> str | Non
     try:
         return await asyncio.to_thread(build_checked, kind, value)
     except ValueError as exc:
-        raise APIError(400, f"invalid {param}: {exc}", param=param,
+        raise APIError(400, f"invalid {param}: {summarize(str(exc))}", param=param,
                        code="invalid_response_format") from None
+
+
+def summarize(message: str, limit: int = 300) -> str:
+    """A library's error as a client may see it: its first line, no build paths; a panic (with
+    its backtrace and source locations) is only named, never passed through."""
+    if "panicked" in message or "backtrace" in message or re.search(r"\.rs:\d+", message):
+        return "the constraint engine could not build this grammar (too large or too complex)"
+    lines = message.strip().splitlines()
+    first = re.sub(r"(?:/[\w.+@-]+){2,}", "<path>", lines[0] if lines else "rejected")
+    return first[:limit]

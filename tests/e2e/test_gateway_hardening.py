@@ -269,3 +269,21 @@ def test_fuzzed_headers_never_get_a_5xx(tight: Any, headers: dict[str, bytes],
         status = int(reply.split(b" ", 2)[1])
         assert status < 500, reply[:300]
         assert b"Traceback" not in reply
+
+
+BIASES = [{"1": 5.0}, {"99999999": 1.0}, {str(i): 1.0 for i in range(40_000)}]
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("bias", BIASES, ids=["one", "outside-vocab", "40k"])
+def test_logit_bias_is_refused_not_ignored(tight: Any, bias: dict[str, float]) -> None:
+    gw, _ = tight
+    for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", CHAT)):
+        resp = httpx.post(gw.base_url + route, json={**body, "max_tokens": 2, "logit_bias": bias},
+                          timeout=30)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "logit_bias" and error["code"] == "unsupported_parameter"
+    ok = httpx.post(gw.base_url + "/v1/completions", timeout=30,
+                    json={"prompt": "hi", "max_tokens": 2, "logit_bias": {}})
+    assert ok.status_code == 200  # an empty map asks for nothing

@@ -94,3 +94,29 @@ def test_strict_false_still_constrains(lltok: LLTokenizer) -> None:
         "name": "n", "schema": {"type": "array", "items": {"type": "integer"}},
         "strict": False}}))
     assert accepts(lltok, g, "[1,2]") and not accepts(lltok, g, json.dumps({"a": 1}))
+
+
+PANIC = ("thread '<unnamed>' panicked at /root/.cargo/registry/src/index/llguidance-1.2/src/"
+         "json/compiler.rs:412:9:\nlimit exceeded\nstack backtrace:\n   0: rust_begin_unwind")
+
+
+def test_a_library_panic_reaches_the_client_only_as_a_summary(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def panics(kind: str, value: object) -> str:
+        raise ValueError(PANIC)
+
+    monkeypatch.setattr("gateway.structured.build_checked", panics)
+    body = CompletionRequest.model_validate({"prompt": "x", "guided_json": {"type": "object"}})
+    with pytest.raises(APIError) as exc:
+        asyncio.run(request_grammar(body))
+    message = exc.value.message if hasattr(exc.value, "message") else str(exc.value)
+    assert exc.value.status == 400 and "too large or too complex" in message
+    for leak in ("panicked", "backtrace", ".rs:", "/root/", "cargo"):
+        assert leak not in message
+
+
+def test_summarize_keeps_a_plain_error_and_drops_paths() -> None:
+    from gateway.structured import summarize
+
+    assert summarize("unknown type 'strng'\nmore detail") == "unknown type 'strng'"
+    assert "/home/" not in summarize("cannot open /home/build/x/y.json: no such file")
