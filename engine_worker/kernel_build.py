@@ -4,9 +4,10 @@ Data flow of `load_kernel(name, cache_dir)`:
 
     engine_worker/csrc/<name>.cpp (registers torch.ops.kestrel.* with TORCH_LIBRARY_FRAGMENT)
       -> its op already registered in this process? done
+      -> <cache_dir>/kernels/<name>-<torch version>-<hash of source and flags>/<lib>.so exists
+         with the size and sha256 recorded at its build (<lib>.sha256)? load it (milliseconds);
+         damaged or unrecorded: logged, deleted, rebuilt
       -> why it cannot be built here (no C++ compiler, no ninja)? -> KernelUnavailable(reason)
-      -> <cache_dir>/kernels/<name>-<torch version>-<hash of source and flags>/<lib>.so exists?
-         load it (milliseconds)
       -> else log "compiling the <name> kernel (one time, ~N s)", build it there with
          torch.utils.cpp_extension (-O3 -march=native: this host's AVX512 or AVX2, or the
          level KESTREL_CPU_ISA caps it to), load it
@@ -120,9 +121,6 @@ def load_kernel(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
     say from another cache dir, would raise), so an op already there is left as it is."""
     if registered(op):
         return
-    why = compiler_missing()
-    if why is not None:
-        raise KernelUnavailable(why)
     try:
         flags = cflags()
     except ValueError as e:
@@ -133,10 +131,22 @@ def load_kernel(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
         lock.unlink(missing_ok=True)
     lib_name = f"kestrel_{name}_{_source_key(name).rsplit('-', 1)[1]}"
     lib = folder / f"{lib_name}.so"
+    if lib.is_file() and not lock.exists():
+        damage = _check(lib)
+        if damage is None:
+            try:
+                torch.ops.load_library(str(lib))
+                return
+            except Exception as e:  # an intact file that still does not load: rebuild it
+                damage = f"{type(e).__name__}: {e}"
+        log.warning("the cached %s kernel %s is unusable (%s): rebuilding it", name, lib, damage)
+        for stale in folder.iterdir():  # ninja would see the .so newer than its source
+            if stale.name != "lock":
+                stale.unlink(missing_ok=True)
+    why = compiler_missing()
+    if why is not None:
+        raise KernelUnavailable(why)
     try:
-        if lib.is_file() and not lock.exists():
-            torch.ops.load_library(str(lib))
-            return
         from torch.utils.cpp_extension import load
 
         log.info("compiling the %s kernel for %s (one time, ~%d s) into %s", name, flags[-1],
@@ -147,7 +157,35 @@ def load_kernel(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
         load(name=lib_name, sources=[str(CSRC / f"{name}.cpp")], extra_cflags=list(flags),
              extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
              verbose=False)
+        _seal(lib)
         log.info("%s kernel built in %.1f s", name, time.monotonic() - t0)
     except Exception as e:  # a failed build must not stop the worker: the fallback still works
         raise KernelUnavailable(f"the {name} kernel failed to build or load: "
                                 f"{type(e).__name__}: {e}") from e
+
+
+def _digest(lib: Path) -> str:
+    return hashlib.sha256(lib.read_bytes()).hexdigest()
+
+
+def _seal(lib: Path) -> None:
+    """Record the built library's size and hash beside it: what a later start must find."""
+    seal = lib.with_suffix(".sha256")
+    tmp = seal.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(f"{lib.stat().st_size} {_digest(lib)}\n")
+    tmp.replace(seal)
+
+
+def _check(lib: Path) -> str | None:
+    """Why the cached library must not be loaded (None: it is the one that was built). A
+    truncated .so is mapped past its end by the loader and kills the process with SIGBUS, with
+    no Python error to catch: so it is checked before, never after."""
+    try:
+        size, digest = lib.with_suffix(".sha256").read_text().split()
+    except (OSError, ValueError):
+        return "no record of its size and hash"
+    if lib.stat().st_size != int(size):
+        return f"{lib.stat().st_size} bytes where {size} were built"
+    if _digest(lib) != digest:
+        return "its hash differs from the build's"
+    return None

@@ -3,11 +3,17 @@ built for (and so which build folder they load from), and refuses what this CPU 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from engine_worker import kernel_build
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cap_sets_march_and_keys_its_own_folder(monkeypatch: pytest.MonkeyPatch,
@@ -41,3 +47,50 @@ def test_refused_cap_makes_the_kernel_unavailable(monkeypatch: pytest.MonkeyPatc
         pytest.skip("no C++ compiler: the cap is never reached")
     with pytest.raises(kernel_build.KernelUnavailable, match="lacks avx2"):
         kernel_build.load_kernel.__wrapped__("paged_attention", str(tmp_path), "no_such_op")
+
+
+LOAD = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from engine_worker import kernel_build as kb
+try:
+    kb.load_kernel("group_gemv", sys.argv[1], "q8_group_mm")
+    print("LOADED")
+except kb.KernelUnavailable as e:
+    print("UNAVAILABLE", e)
+"""
+
+
+def _load_elsewhere(cache: Path) -> subprocess.CompletedProcess[str]:
+    """load_kernel in a fresh process with no C++ compiler: only the cached library can serve."""
+    env = {**os.environ, "CXX": "no-such-compiler-kestrel", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", LOAD, str(cache)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def cached_copy(cache_dir: Path, tmp_path: Path) -> Path:
+    """A copy of this session's group_gemv build (built here if need be) in a cache of its own."""
+    if kernel_build.compiler_missing() is not None:
+        pytest.skip("no C++ compiler: no kernel to cache")
+    kernel_build.load_kernel("group_gemv", str(cache_dir), "q8_group_mm")
+    src = kernel_build.build_dir("group_gemv", cache_dir)
+    dst = kernel_build.build_dir("group_gemv", tmp_path)
+    shutil.copytree(src, dst)
+    return tmp_path
+
+
+def test_a_sealed_cached_kernel_loads_without_a_compiler(cached_copy: Path) -> None:
+    res = _load_elsewhere(cached_copy)
+    assert res.returncode == 0 and res.stdout.strip() == "LOADED", res.stderr[-2000:]
+
+
+def test_a_truncated_cached_kernel_is_refused_and_logged_not_a_crash(cached_copy: Path) -> None:
+    [lib] = kernel_build.build_dir("group_gemv", cached_copy).glob("*.so")
+    data = lib.read_bytes()
+    lib.write_bytes(data[: len(data) // 2])  # as a full disk or a killed copy leaves it
+    res = _load_elsewhere(cached_copy)
+    assert res.returncode == 0, f"the worker died ({res.returncode}): {res.stderr[-2000:]}"
+    assert res.stdout.startswith("UNAVAILABLE")  # no compiler here to rebuild it: the fallback
+    assert "is unusable" in res.stderr and "bytes where" in res.stderr
+    assert not lib.exists()  # removed, so that a start with a compiler rebuilds it
