@@ -13,6 +13,7 @@ single-threaded and owned by the worker's main loop; it never touches a socket.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +28,8 @@ from engine_worker.scheduler import ScheduledChunk, Scheduler
 from engine_worker.sequence import Sequence
 from engine_worker.speculative import SpecDecoder
 from protocol import messages as m
+
+log = logging.getLogger("kestrel.engine")
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        self.idle_check_failures = 0
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -234,6 +238,24 @@ class Engine:
         if self.spec is not None:
             self.spec.release(seq)
 
+    def check_idle(self) -> list[str]:
+        """With no request left, what is still held (SGLang's idle self-check): every KV block
+        must be free (cached blocks count: they are evictable), no sequence queued or running.
+        Each breach is logged and counted; an empty list is a clean idle."""
+        if self.requests:
+            return []
+        bm, sched = self.block_manager, self.scheduler
+        breaches = []
+        if bm.num_free_blocks != bm.num_blocks:
+            breaches.append(f"{bm.num_used_blocks} of {bm.num_blocks} KV blocks still in use")
+        if sched.has_work:
+            breaches.append(f"{sched.num_running} running and {sched.num_waiting} waiting "
+                            "sequences with no request")
+        if breaches:
+            self.idle_check_failures += 1
+            log.error("idle self-check: %s", "; ".join(breaches))
+        return breaches
+
     def stats(self) -> m.Stats:
         bm = self.block_manager
         spec = self.spec.stats if self.spec is not None else None
@@ -250,4 +272,5 @@ class Engine:
             spec_proposed_tokens=spec.proposed if spec else 0,
             spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
+            idle_check_failures=self.idle_check_failures,
         )

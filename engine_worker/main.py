@@ -53,6 +53,7 @@ class WorkerLoop:
                                           getattr(getattr(link, "hello", None), "worker_id", ""))
 
     def run(self) -> int:
+        self.was_busy = False
         while True:
             if self.link.rejected is not None:
                 return 3
@@ -61,6 +62,10 @@ class WorkerLoop:
                 self._send_all(self.engine.abort(rid, "timeout"))
             # The engine stamps a request's first frame with its time since first scheduled.
             self._send_all(self.engine.step())
+            busy = self.engine.has_work
+            if self.was_busy and not busy:  # just went idle: nothing may be left held
+                self.engine.check_idle()
+            self.was_busy = busy
             self.link.stats = self.engine.stats()
             if self.stop.is_set():
                 if self.drain_started is None:

@@ -51,6 +51,9 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
     "spec_decode_verify_steps": ("spec_verify_steps",
                                  "sequence-steps that verified drafts; accepted tokens over "
                                  "these is the mean accepted length per step"),
+    "idle_check_failures": ("idle_check_failures",
+                            "times the worker went idle with KV blocks, sequences or grammar "
+                            "state still held by no request (a leak; logged)"),
 }
 
 

@@ -69,6 +69,8 @@ class Stats:
     # Verify steps (one per sequence per step that carried drafts, cumulative): accepted tokens
     # over these is the mean accepted length per step.
     spec_verify_steps: int = 0
+    # Times the worker, going idle, found state that no request held (Engine.check_idle).
+    idle_check_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -212,3 +212,17 @@ def test_a_choice_aborted_alone_gets_no_second_closing_frame(tiny_dir: Path) -> 
     outs = engine.abort("n2", "timeout")  # the whole request ends later
     assert [(o.index, o.finish_reason) for o in outs] == [(0, "timeout")]
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_work
+
+
+def test_idle_self_check_is_clean_after_requests_and_names_a_leak(tiny_dir: Path) -> None:
+    from engine_worker.sequence import Sequence
+
+    engine = make_engine(tiny_dir, blocks=64)
+    run(engine, [greedy("a", prompt(40, 1), 8), greedy("b", prompt(20, 2), 8)])
+    assert not engine.has_work and engine.check_idle() == []
+    assert engine.stats().idle_check_failures == 0
+    leaked = Sequence("ghost", prompt(33, 3), m.SamplingParams(max_tokens=4))
+    engine.block_manager.allocate(leaked)  # blocks held by a sequence no request owns
+    breaches = engine.check_idle()
+    assert breaches and "KV blocks still in use" in breaches[0]
+    assert engine.stats().idle_check_failures == 1
