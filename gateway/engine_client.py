@@ -50,6 +50,7 @@ log = logging.getLogger("kestrel.gateway.engine")
 
 RESET_INTERVAL_S = 2.0  # at most one Reset per unknown peer per interval
 MAX_PENDING_HELLOS = 8  # Hellos being checked at once; more are dropped (the worker retries)
+REFUSAL_LOG_S = 60.0  # one log line per refused peer and reason this often; the rest counted
 FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout"})
 
 
@@ -71,6 +72,9 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._hellos: dict[bytes, asyncio.Task] = {}  # identity -> its Hello being checked
         self._last_reset: dict[bytes, float] = {}
+        # (who, reason) -> (when last logged, refusals since): a peer retrying its Hello every
+        # second must not fill the log
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         self.on_stats: list[Any] = []  # callbacks(worker, stats), for metrics
 
     @classmethod
@@ -280,7 +284,16 @@ class EngineClient:
         task.add_done_callback(lambda _t: self._hellos.pop(identity, None))
 
     async def _refuse(self, identity: bytes, who: str, reason: str) -> None:
-        log.error("refused worker %s: %s", who, reason)
+        now, key = time.monotonic(), (who, reason)
+        last = self._refusals.get(key)
+        if last is None or now - last[0] >= REFUSAL_LOG_S:
+            more = f" ({last[1]} more refused since)" if last and last[1] else ""
+            log.warning("refused worker %s: %s%s", who, reason[:300], more)
+            if len(self._refusals) >= 1024:  # bounded: a flood of distinct reasons
+                self._refusals.clear()
+            self._refusals[key] = (now, 0)
+        else:
+            self._refusals[key] = (last[0], last[1] + 1)
         await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, False, reason))
 
     async def _on_hello(self, identity: bytes, body: list[bytes]) -> None:

@@ -85,3 +85,20 @@ def test_a_worker_invented_finish_reason_is_bounded_before_it_becomes_a_label() 
         client._ctx.term()
 
     asyncio.run(run())
+
+
+def test_a_peer_refused_again_and_again_is_logged_once_without_a_traceback(caplog: Any) -> None:
+    async def run() -> None:
+        client, _, sent = client_with_workers(0)
+        bad = m.Hello(m.PROTOCOL_VERSION, "w-bad", "tiny", 256, 4096, 8,
+                      m.TokenizerInfo("not json at all", None, None, None, [0]))
+        for _ in range(50):
+            await client._on_hello(b"peer", [*codec.encode(bad)])
+        assert len(sent) == 50 and all(not msg.accepted for _, msg in sent)
+
+    with caplog.at_level("DEBUG", logger="kestrel"):
+        asyncio.run(run())
+    refusals = [r for r in caplog.records if "refused worker" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].levelname == "WARNING"
+    assert "tokenizer did not load" in refusals[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)  # no traceback, at any level
