@@ -155,7 +155,7 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     blocks = layer_blocks(gguf_path, 0)
     shapes = [(b.kind, *b.codes.shape) for b in blocks]
     weights = num_layers * sum(int(b.codes.shape[0]) * int(b.codes.shape[1]) for b in blocks)
-    path = Path(cache_dir) / "paths" / f"{_key([*shapes, num_layers, copy_budget])}.json"
+    path = Path(cache_dir) / "paths" / f"{_key([*shapes, num_layers, copy_budget, native_q8])}.json"
     bf16 = native_bf16()
     try:
         saved = json.loads(path.read_text())
