@@ -62,7 +62,7 @@ def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[byte
            "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
-    return subprocess.Popen([sys.executable, "-m", "gateway.serve"], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "kestrel.serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -9,7 +9,7 @@ PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8123}
 mkdir -p "$OUT"
 PORT=$PORT KESTREL_ENGINE_ADDRESS=tcp://127.0.0.1:5923 KESTREL_LOG_LEVEL=WARNING \
-  "$PY" -m gateway.serve > "$OUT/server.log" 2>&1 &
+  "$PY" -m kestrel.serve > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health/ready" > /dev/null; do sleep 1; done

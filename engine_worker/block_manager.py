@@ -5,11 +5,8 @@ cache may serve its leading full blocks), `can_append` / `append_slot` before ea
 `mark_computed` after each step (full blocks whose K/V now exist become findable), and `free`
 when a sequence finishes or is preempted. The model runner only reads `seq.block_table`.
 
-Prefix cache: a full block is keyed by a hash chain, h_i = SHA-256(h_{i-1} || tokens of block i),
-so a key names the whole prefix up to and including block i, not just the block's own tokens.
-The hash is cryptographic on purpose: a lookup can only compare what the block itself holds (its
-tokens and its parent's key), so a key collision that a client could craft (Python's `hash()` of
-ints is plain arithmetic) would hand it the K/V of another client's prefix.
+Prefix cache: a full block is keyed by the hash chain of common/block_hash.py (the key names
+the whole prefix up to and including the block; it is cryptographic on purpose).
 A block's key is registered only once its K/V has been computed, so a block allocated but not
 yet written is never served to another sequence.
 
@@ -21,28 +18,11 @@ evicted (LRU) only when no empty block is left.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from common.block_hash import chain_hash, root_hash
 from engine_worker.sequence import Sequence
-
-# Chain value "before block 0": a digest of nothing in particular, fixed for the process.
-_ROOT_HASH = hashlib.sha256(b"kestrel prefix cache root").digest()
-
-
-def root_hash(salt: bytes) -> bytes:
-    """Where a sequence's chain starts: one root per prefix-cache tenant, so a block cached for
-    one salt is never found by another (nor its hit reported to it)."""
-    return _ROOT_HASH if not salt else hashlib.sha256(_ROOT_HASH + salt).digest()
-
-
-def chain_hash(prev_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
-    """Key of a full block given the key of the block before it: SHA-256 over the parent's
-    32-byte digest and the tokens as signed 64-bit ints (fixed width, so no two token tuples of
-    one block size share an encoding)."""
-    return hashlib.sha256(prev_hash + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass

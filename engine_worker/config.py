@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.settings import setting
 from engine_worker.memory_budget import parse_kv_memory
-from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half")

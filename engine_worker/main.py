@@ -19,13 +19,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from common.jsonlog import setup_logging
+from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.memory_budget import kv_budget_bytes
 from engine_worker.naming import served_names
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
-from protocol.jsonlog import setup_logging
-from protocol.settings import parse_settings
 from protocol.transport import is_loopback, load_public_key, load_secret_key, new_worker_id
 
 log = logging.getLogger("kestrel.worker")

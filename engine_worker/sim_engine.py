@@ -12,11 +12,11 @@ behave as a real worker's would when the router sends related prompts to it. No 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from common.block_hash import chain_hash, root_hash
 from engine_worker.sequence import SequenceStatus
 from protocol import messages as m
 
@@ -127,10 +127,10 @@ class SimEngine:
     def _prefill(self, req: _Request) -> int:
         """Look the prompt's full blocks up in the cache, insert them; uncached tokens."""
         ids = req.gen.prompt_token_ids
-        parent, hit, chained = b"", 0, True
+        parent, hit, chained = root_hash(req.gen.cache_salt), 0, True
         for start in range(0, len(ids) - self.block_size + 1, self.block_size):
             block = ids[start:start + self.block_size]
-            parent = hashlib.blake2b(parent + repr(block).encode(), digest_size=16).digest()
+            parent = chain_hash(parent, block)
             if chained and parent in self._cache:
                 hit += self.block_size
             else:

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.jsonlog import setup_logging
+from common.settings import parse_settings, setting
 from engine_worker.main import serve
 from engine_worker.sim_engine import CostModel, SimEngine
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
-from protocol.jsonlog import setup_logging
-from protocol.settings import parse_settings, setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS, new_worker_id
 
 log = logging.getLogger("kestrel.worker.sim")

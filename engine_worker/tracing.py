@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from common import telemetry
 from protocol import messages as m
-from protocol import telemetry
 
 
 class WorkerTracer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from common.settings import setting
 from gateway.router import ROUTING_POLICIES
-from protocol.settings import setting
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import uvicorn
 
+from common.jsonlog import setup_logging
+from common.settings import parse_settings
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import guarded_h11
-from protocol.jsonlog import setup_logging
-from protocol.settings import parse_settings
 
 log = logging.getLogger("kestrel.gateway")
 DRAIN_BACKSTOP_S = 2.0

@@ -17,13 +17,12 @@ are already filtered by the registry (ready, same model, a max_model_len that fi
 
 from __future__ import annotations
 
-import hashlib
 import random
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from common.block_hash import block_hashes
 from protocol import messages as m
 
 ROUTING_POLICIES = ("cache_aware", "least_loaded")
@@ -35,22 +34,6 @@ class Routable(Protocol):
     load: int
     capacity: int
     identity: bytes
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
-    """One digest per full block; each covers the block and everything before it (a chain), so
-    equal digests mean equal prefixes (of the same prefix-cache tenant, `salt`)."""
-    out: list[bytes] = []
-    parent = salt.encode()
-    full = len(token_ids) // block_size * block_size
-    raw = struct.pack(f"<{full}i", *token_ids[:full])  # one pack, not one call per token
-    step = 4 * block_size
-    for start in range(0, len(raw), step):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(raw[start:start + step])
-        parent = h.digest()
-        out.append(parent)
-    return out
 
 
 class PrefixIndex:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from common import telemetry
 from gateway.generation import Generation
-from protocol import telemetry
 
 # The route's GenAI operation name (gen_ai.operation.name).
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "generate": "generate_content",

@@ -3,7 +3,7 @@
     check_command(["python", "-m", "gateway.main", "--drain-timeout-s", "30"], env)
         -> the GatewayConfig that process would run with (or AssertionError / SystemExit)
 
-Every flag must be one `protocol.settings.parse_settings` builds for that process's config class,
+Every flag must be one `common.settings.parse_settings` builds for that process's config class,
 every KESTREL_* variable one of its fields, and the values must pass the config's validation.
 
 Path-valued link-key settings (issue 12) are checked to exist by the configs; the deploy files
@@ -18,9 +18,9 @@ import os
 import tempfile
 from typing import Any
 
+from common.settings import ENV_PREFIX, env_name, parse_settings
 from engine_worker.config import WorkerConfig
 from gateway.config import GatewayConfig
-from protocol.settings import ENV_PREFIX, env_name, parse_settings
 
 # module run with `python -m` -> (config class, non-prefixed variables it also reads)
 PROCESSES: dict[str, tuple[type, dict[str, str]]] = {

@@ -19,14 +19,14 @@ KEY, KEY2 = "k", "k2"
 
 
 class ServeProc(Proc):
-    """`python -m gateway.cli serve ...` (what the `kestrel` script runs) on free ports."""
+    """`python -m kestrel.cli serve ...` (what the `kestrel` script runs) on free ports."""
 
     name = "serve"
 
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-m", "gateway.cli", "serve", *flags, "--host",
+        super().__init__([sys.executable, "-m", "kestrel.cli", "serve", *flags, "--host",
                           "127.0.0.1", "--port", str(self.port), "--engine-address",
                           f"tcp://127.0.0.1:{free_port()}"])
 
@@ -157,7 +157,7 @@ def test_gguf_named_by_its_stem_no_prefix_cache_and_a_fraction_of_memory(cache_d
 
 
 def run_serve(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", *flags], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

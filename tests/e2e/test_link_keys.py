@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocol.keygen import make_key_pair
+from common.keygen import make_key_pair
 from protocol.transport import load_public_key, load_secret_key
 from tests.e2e.link_peers import FakeWorker, tiny_hello
 from tests.procs import GatewayProc, WorkerProc

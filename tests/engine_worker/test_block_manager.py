@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.block_hash import ROOT_HASH
 from engine_worker import block_manager as bm_module
 from engine_worker.block_manager import BlockManager
 from engine_worker.sequence import Sequence
@@ -256,7 +257,7 @@ def test_block_keys_are_sha256_over_the_parent_digest_and_the_tokens() -> None:
     import hashlib
     from array import array
 
-    root = bm_module._ROOT_HASH
+    root = ROOT_HASH
     assert isinstance(root, bytes) and len(root) == 32
     key = bm_module.chain_hash(root, (1, 2, 3, 4))
     assert key == hashlib.sha256(root + array("q", (1, 2, 3, 4)).tobytes()).digest()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.llama import Attention
@@ -26,7 +27,6 @@ from engine_worker.paged_attention import (
     load_paged_attention,
     paged_decode_attention,
 )
-from protocol.settings import parse_settings
 from tests.engine_worker.greedy_run import greedy_tokens
 from tests.engine_worker.test_grouped_decode import gqa_config
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.block_manager import _ROOT_HASH, BlockManager, chain_hash
+from common.block_hash import ROOT_HASH as _ROOT_HASH
+from common.block_hash import chain_hash
+from engine_worker.block_manager import BlockManager
 from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model_runner import ModelRunner

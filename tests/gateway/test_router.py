@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.router import PrefixIndex, Router, block_hashes
+from common.block_hash import block_hashes
+from gateway.router import PrefixIndex, Router
 from protocol import messages as m
 
 TOK = m.TokenizerInfo("", None, None, None, [])

@@ -3,7 +3,7 @@ API key (and per request salt), the shared cache only with neither."""
 
 from __future__ import annotations
 
-from gateway.router import block_hashes
+from common.block_hash import block_hashes
 from gateway.tenancy import cache_salt
 
 

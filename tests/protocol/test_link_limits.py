@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import zmq
 
+from common.keygen import main as keygen_main
 from protocol import codec
 from protocol import messages as m
-from protocol.keygen import main as keygen_main
 from protocol.transport import configure_dealer, is_loopback, load_public_key, load_secret_key
 
 

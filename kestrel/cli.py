@@ -1,6 +1,6 @@
 """`kestrel COMMAND ...`: one entry point for the parts, like `vllm serve` / `vllm bench`.
 
-    kestrel serve [MODEL] [flags]   the gateway and one worker on this host (gateway/serve.py)
+    kestrel serve [MODEL] [flags]   the gateway and one worker on this host (kestrel/serve.py)
     kestrel gateway [flags]         the HTTP gateway alone (kestrel-gateway)
     kestrel worker [flags]          one engine worker (kestrel-worker)
     kestrel loadgen run|sweep ...   the load generator (kestrel-loadgen); `kestrel bench` too
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS = {
-    "serve": ("gateway.serve", "the gateway and one worker on this host"),
+    "serve": ("kestrel.serve", "the gateway and one worker on this host"),
     "gateway": ("gateway.main", "the HTTP gateway alone"),
     "worker": ("engine_worker.main", "one engine worker, joining a gateway"),
     "loadgen": ("loadgen.cli", "the load generator (run, sweep)"),

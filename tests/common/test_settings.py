@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.settings import parse_settings, settings_environ
 from engine_worker.config import WorkerConfig
 from gateway.config import GatewayConfig
-from protocol.settings import parse_settings, settings_environ
 
 
 def test_a_prefix_of_a_flag_is_not_that_flag(capsys: pytest.CaptureFixture[str]) -> None:

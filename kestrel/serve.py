@@ -9,7 +9,7 @@ either process gains is a `kestrel serve` flag with no change here. A field both
 with one meaning (SHARED) is one flag for both; any other name they share gets a `--gateway-` and
 a `--worker-` flag, so nothing is silently set for the wrong process. The worker's
 `gateway_address` is the gateway's `engine_address`. A flag neither process has exits 2 naming
-it; a vLLM flag kestrel does not take exits 2 saying why (gateway/vllm_flags.py).
+it; a vLLM flag kestrel does not take exits 2 saying why (kestrel/vllm_flags.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from common.settings import add_settings, new_parser, settings_environ, settings_from
 from engine_worker.config import WorkerConfig
 from gateway.config import GatewayConfig
 from gateway.main import run
-from gateway.vllm_flags import unsupported_reason
-from protocol.settings import add_settings, new_parser, settings_environ, settings_from
+from kestrel.vllm_flags import unsupported_reason
 
 log = logging.getLogger("kestrel.serve")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from common.settings import settings_environ
 from engine_worker.config import DTYPES
-from gateway.cli import main as kestrel
-from gateway.serve import parse
-from protocol.settings import settings_environ
+from kestrel.cli import main as kestrel
+from kestrel.serve import parse
 
 
 def test_flags_reach_the_right_process_and_shared_ones_both() -> None:
@@ -50,9 +50,9 @@ def test_a_field_either_process_gains_is_a_serve_flag(monkeypatch, capsys) -> No
     processes have (but not one meaning) becomes --gateway-NAME and --worker-NAME."""
     from dataclasses import dataclass
 
+    from common.settings import setting
     from engine_worker.config import WorkerConfig
-    from gateway import serve
-    from protocol.settings import setting
+    from kestrel import serve
 
     @dataclass(frozen=True)
     class Extended(WorkerConfig):
