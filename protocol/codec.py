@@ -138,6 +138,15 @@ def _check(tp: Any, value: Any, where: str) -> Any:
         return _check(inner[0], value, where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value)
+    if origin is typing.Literal:
+        if not isinstance(value, str) or value not in args:
+            raise DecodeError(f"{where}: expected one of {', '.join(args)}")
+        return value
+    if origin is tuple:  # a fixed-shape record, sent as a list; stays a list
+        if not isinstance(value, list) or len(value) != len(args):
+            raise DecodeError(f"{where}: expected a list of {len(args)}")
+        checked = enumerate(zip(args, value, strict=True))
+        return [_check(a, v, f"{where}[{i}]") for i, (a, v) in checked]
     if origin is list or tp is list:
         if not isinstance(value, list):
             raise DecodeError(f"{where}: expected a list")

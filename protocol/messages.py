@@ -7,17 +7,27 @@ Data flow over one ZeroMQ link (gateway ROUTER <-> worker DEALER):
     gateway -> worker  : Welcome (answer to Hello), Generate, Cancel, Reset, ProtocolError
 
 Each message is a frozen dataclass whose fields are msgpack-native types (ints, floats, strs,
-bytes, lists, dicts, None) or other message dataclasses listed in `NESTED`. The codec
-(`protocol.codec`) maps each class to one type byte.
+bytes, lists, dicts, None), fixed-shape tuples (sent as lists), string literals, or other
+message dataclasses. The codec (`protocol.codec`) maps each class to one type byte and checks
+every field against its annotation on decode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 # 2: Generate carries the remaining time (timeout_s), not a wall-clock deadline; Hello carries
 # the KV block size and a tokenizer digest.
 PROTOCOL_VERSION = 3  # 3: Generate.cache_salt
+
+# Why a choice ended. stop: an end-of-sequence or stop token; length: max_tokens or the context;
+# abort: cancelled (client gone, a stop string met at the gateway, worker shutting down);
+# timeout: its deadline passed in the worker.
+FinishReason = Literal["stop", "length", "abort", "timeout"]
+# One new token's logprobs: (token id, logprob, [(top id, top logprob), ...]); lists on the wire.
+TopLogprob = tuple[int, float]
+LogprobEntry = tuple[int, float, list[TopLogprob]]
 
 
 @dataclass(frozen=True)
@@ -132,11 +142,10 @@ class TokenOutput:
     request_id: str
     index: int  # choice index, 0..n-1
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens of this choice so far
-    # One entry per new token: [token_id, logprob, [[top_id, top_logprob], ...]]
-    logprobs: list[list] | None = None
+    logprobs: list[LogprobEntry] | None = None  # one entry per new token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # On a request's first token frame only: seconds from the start of the engine step that
     # first scheduled the request to the sending of this frame. The gateway subtracts it from
@@ -185,12 +194,3 @@ class ProtocolError:
     """Answer to a frame that did not decode. Never fatal to either side."""
 
     message: str
-
-
-# Nested struct types the codec may rebuild from dicts, by field name.
-NESTED: dict[str, type] = {
-    "params": SamplingParams,
-    "tokenizer": TokenizerInfo,
-    "stats": Stats,
-}
-

@@ -63,10 +63,25 @@ def test_encoding_a_non_message_is_a_type_error() -> None:
     [b"\x03", msgpack.packb({"request_id": "r", "prompt_token_ids": ["a"], "params": {}})],
     [b"\x03", msgpack.packb({"request_id": "r", "prompt_token_ids": [1], "params": 3})],
     [b"\x07", msgpack.packb({"worker_id": "w", "stats": {"running": True}})],
+    # typed token frames: a finish reason outside the four, logprob entries of the wrong shape
+    [b"\x04", msgpack.packb({"request_id": "r", "index": 0, "token_ids": [1],
+                             "finish_reason": "done"})],
+    [b"\x04", msgpack.packb({"request_id": "r", "index": 0, "token_ids": [1],
+                             "logprobs": [[1, -0.5]]})],
+    [b"\x04", msgpack.packb({"request_id": "r", "index": 0, "token_ids": [1],
+                             "logprobs": [[1, "-0.5", []]]})],
+    [b"\x04", msgpack.packb({"request_id": "r", "index": 0, "token_ids": [1],
+                             "logprobs": [[1, -0.5, [[2, -1.0, 3]]]]})],
 ], ids=lambda f: repr(f)[:40])
 def test_malformed_frames_raise_decode_error(frames: list[bytes]) -> None:
     with pytest.raises(codec.DecodeError):
         codec.decode(frames)
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "abort", "timeout"])
+def test_every_finish_reason_the_worker_sends_decodes(reason: str) -> None:
+    frames = codec.encode(m.TokenOutput("r", 0, [1], reason))  # type: ignore[arg-type]
+    assert codec.decode(frames).finish_reason == reason
 
 
 def test_unknown_fields_are_ignored_within_a_version() -> None:
