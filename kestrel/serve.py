@@ -10,6 +10,10 @@ with one meaning (SHARED) is one flag for both; any other name they share gets a
 a `--worker-` flag, so nothing is silently set for the wrong process. The worker's
 `gateway_address` is the gateway's `engine_address`. A flag neither process has exits 2 naming
 it; a vLLM flag kestrel does not take exits 2 saying why (kestrel/vllm_flags.py).
+
+The link: unless --engine-address is given, the two processes talk over an `ipc://` socket in a
+directory only this user can open (0700, checked at start), so no other local process can join
+as a worker, read prompts or write answers, as it could on a keyless loopback TCP port.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ import dataclasses
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from common.settings import add_settings, new_parser, settings_environ, settings_from
+from common.settings import add_settings, env_name, new_parser, settings_environ, settings_from
 from engine_worker.config import WorkerConfig
 from gateway.config import GatewayConfig
 from gateway.main import run
@@ -116,11 +122,38 @@ def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None =
     def error(message: str) -> NoReturn:
         _fail(parser, message)
 
+    fixed = {}
+    given = getattr(args, "gateway.engine_address") is not None
+    if not given and env_name("engine_address") not in environ:
+        port = (getattr(args, "gateway.port") or environ.get(env_name("port"))
+                or environ.get("PORT") or "8000")
+        fixed["engine_address"] = f"ipc://{link_dir(environ) / f'engine-{port}.sock'}"
     gateway = settings_from(GatewayConfig, args, environ, error, dest_prefix="gateway.",
-                            extra_env=GATEWAY_ENV)
+                            extra_env=GATEWAY_ENV, fixed=fixed)
     worker = settings_from(WorkerConfig, args, environ, error, dest_prefix="worker.",
                            fixed={"gateway_address": gateway.engine_address})
     return gateway, worker
+
+
+def link_dir(environ: Mapping[str, str]) -> Path:
+    """Where the one-host link's socket lives: the user's runtime directory when there is one
+    (systemd makes it 0700), else a per-user folder in the temporary directory."""
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "kestrel"
+    return Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` a directory only this user can enter; refuse one another user owns (it could
+    hold a socket someone else put there) or one this user cannot make private."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise SystemExit(f"kestrel serve: {path} is not a directory of this user's: refusing to "
+                         "put the engine link there (give --engine-address)")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        path.chmod(0o700)
 
 
 def _watch(worker: subprocess.Popen, stopping: threading.Event) -> None:
@@ -134,6 +167,8 @@ def _watch(worker: subprocess.Popen, stopping: threading.Event) -> None:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "kestrel serve") -> int:
     gateway_cfg, worker_cfg = parse(argv, prog=prog)
+    if gateway_cfg.engine_address.startswith("ipc://"):
+        private_dir(Path(gateway_cfg.engine_address.removeprefix("ipc://")).parent)
     env = {**os.environ, **settings_environ(worker_cfg)}
     worker = subprocess.Popen([sys.executable, "-m", "engine_worker.main"], env=env)
     stopping = threading.Event()

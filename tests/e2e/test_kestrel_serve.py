@@ -4,6 +4,9 @@ official openai client, and each vLLM-named flag checked by what it does (not by
 from __future__ import annotations
 
 import json
+import os
+import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from kestrel.serve import link_dir
 from tests.procs import ROOT, GatewayProc, Proc, free_port
 
 KEY, KEY2 = "k", "k2"
@@ -26,9 +30,9 @@ class ServeProc(Proc):
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        # No --engine-address: the link is serve's default, an ipc socket in a private folder.
         super().__init__([sys.executable, "-m", "kestrel.cli", "serve", *flags, "--host",
-                          "127.0.0.1", "--port", str(self.port), "--engine-address",
-                          f"tcp://127.0.0.1:{free_port()}"])
+                          "127.0.0.1", "--port", str(self.port)])
 
     wait_ready = GatewayProc.wait_ready
 
@@ -72,6 +76,40 @@ def test_openai_client_end_to_end_under_the_served_name(served: ServeProc) -> No
     stream = client(served).completions.create(model="a", prompt="hello", max_tokens=4,
                                                stream=True, extra_body={"ignore_eos": True})
     assert sum(bool(c.choices and c.choices[0].text) for c in stream) == 4
+
+
+def connect_as(uid: int, path: Path) -> int:
+    """In a forked child running as `uid`, connect a Unix socket to `path`: 0 if it connected,
+    13 if refused for permission, 1 otherwise."""
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, only os._exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(path))
+            code = 0
+        except PermissionError:
+            code = 13
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_the_link_is_a_socket_no_other_user_can_reach(served: ServeProc) -> None:
+    """Issue 23: a keyless loopback TCP link let any local process join as a worker. The
+    default link is an ipc socket in a 0700 folder of this user's; another user's process
+    cannot even connect to it (run as `nobody`, where the tests run as root)."""
+    sock = link_dir(os.environ) / f"engine-{served.port}.sock"
+    assert stat.S_ISSOCK(sock.stat().st_mode)
+    folder = sock.parent.stat()
+    assert folder.st_uid == os.getuid() and stat.S_IMODE(folder.st_mode) == 0o700
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    assert connect_as(0, sock) == 0  # the socket takes connections...
+    assert connect_as(65534, sock) == 13  # ...but not from another user (nobody)
 
 
 def test_served_model_names_first_is_the_id_the_others_aliases(served: ServeProc) -> None:

@@ -7,7 +7,7 @@ import pytest
 from common.settings import settings_environ
 from engine_worker.config import DTYPES
 from kestrel.cli import main as kestrel
-from kestrel.serve import parse
+from kestrel.serve import parse, private_dir
 
 
 def test_flags_reach_the_right_process_and_shared_ones_both() -> None:
@@ -16,6 +16,29 @@ def test_flags_reach_the_right_process_and_shared_ones_both() -> None:
     assert gw.keys() == {"k"} and gw.port == 9001 and wk.max_num_seqs == 3 and wk.model == "/m"
     assert gw.log_level == wk.log_level == "DEBUG"
     assert wk.gateway_address == gw.engine_address == "tcp://127.0.0.1:6001"
+
+
+def test_the_default_link_is_a_private_ipc_socket_per_port(tmp_path) -> None:
+    """Issue 23: no keyless TCP port on loopback for one host; the socket sits in the user's
+    runtime folder, named by the HTTP port so two servers never share one."""
+    gw, wk = parse(["/m", "--port", "9002"], {"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert gw.engine_address == wk.gateway_address == f"ipc://{tmp_path}/kestrel/engine-9002.sock"
+    gw, _ = parse(["/m"], {"XDG_RUNTIME_DIR": str(tmp_path), "PORT": "9003"})
+    assert gw.engine_address.endswith("/kestrel/engine-9003.sock")
+    gw, _ = parse(["/m"], {"KESTREL_ENGINE_ADDRESS": "tcp://127.0.0.1:6002"})
+    assert gw.engine_address == "tcp://127.0.0.1:6002"  # asked for by name: kept
+
+
+def test_a_link_folder_of_another_user_or_open_to_others_is_refused_or_closed(tmp_path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    private_dir(open_dir)
+    assert open_dir.stat().st_mode & 0o777 == 0o700
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises((SystemExit, FileExistsError)):
+        private_dir(not_a_dir)
 
 
 def test_environment_fills_in_under_flags() -> None:
