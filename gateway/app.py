@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -34,8 +33,8 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             yield
         finally:
             await state.client.close()
-            if state.tracer is not None:
-                state.tracer.shutdown()  # flush the last spans
+            if state.accounting.tracer is not None:
+                state.accounting.tracer.shutdown()  # flush the last spans
 
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -62,38 +61,13 @@ def _state(request: Request) -> GatewayState:
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    state.check_key(request)
-    data = []
-    for entry in state.client.models.values():
-        h = entry.hello
-        # An alias is listed as a model of its own (as vLLM lists every served name); `root`
-        # names the id that responses carry.
-        for name in (entry.model_id, *h.aliases):
-            data.append({"id": name, "object": "model", "created": entry.created,
-                         "owned_by": "kestrel", "root": entry.model_id,
-                         "max_model_len": h.max_model_len, "dtype": h.dtype,
-                         "quantization": h.quantization, "weight_bytes": h.weight_bytes})
-    return JSONResponse({"object": "list", "data": data})
-
-
-def _health_body(state: GatewayState) -> dict:
-    # "id" is the gateway's opaque name for the worker, never its worker id (which is also its
-    # routing id on the engine link).
-    workers = [{"id": w.name, "model": w.hello.model_id, "ready": w.ready,
-                "draining": w.draining, "in_flight": len(w.inflight), "device": w.hello.device,
-                "running": w.stats.running, "waiting": w.stats.waiting,
-                "last_seen_s": round(time.monotonic() - w.last_seen, 3)}
-               for w in state.client.workers.values()]
-    status = "ok" if state.ready else ("draining" if state.draining else
-                                       "queue_full" if state.admission.queue_full else "no_worker")
-    return {"status": status, "models": list(state.client.models), "workers": workers,
-            "queue": {"waiting": state.admission.waiting, "max_queue": state.admission.max_queue,
-                      "outstanding": state.admission.outstanding}}
+    state.auth.check_key(request)
+    return JSONResponse({"object": "list", "data": state.models()})
 
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    return JSONResponse(_health_body(state), status_code=200 if state.ready else 503)
+    return JSONResponse(state.health(), status_code=200 if state.ready else 503)
 
 
 async def live(request: Request) -> Response:
@@ -102,14 +76,14 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     state = _state(request)
-    body = _health_body(state)
+    body = state.health()
     return JSONResponse({"status": body["status"]}, status_code=200 if state.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if state.cfg.protect_metrics:
-        state.check_key(request)
+        state.auth.check_key(request)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

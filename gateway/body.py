@@ -1,5 +1,5 @@
 """A request's JSON body, read with limits: size (413), time (408), a client that leaves (499),
-bad JSON or a lone UTF-16 surrogate (400). Called by GatewayState.read_json before validation.
+bad JSON or a lone UTF-16 surrogate (400). Called by Intake.read before validation.
 """
 
 from __future__ import annotations

@@ -138,6 +138,16 @@ class EngineClient:
         """Sequences the ready workers can run at once: the default admission limit."""
         return sum(w.capacity for w in self.ready_workers())
 
+    def ready_worker_ids(self) -> list[str]:
+        return [w.hello.worker_id for w in self.ready_workers()]
+
+    def load(self, model_id: str) -> list[tuple[str, int]]:
+        """(worker id, sequences it runs for us now) for the ready workers of the model: our
+        own count (each request's n), not the heartbeat's, which may be a second old."""
+        reqs = self.requests
+        return [(w.hello.worker_id, sum(reqs[r].gen.params.n for r in w.inflight if r in reqs))
+                for w in self.registry.candidates(model_id)]
+
     def serves(self, model_id: str) -> bool:
         """Whether a ready (not draining) worker serves the model right now."""
         return bool(self.registry.candidates(model_id))

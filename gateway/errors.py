@@ -10,6 +10,7 @@ fails with a reset.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import uuid
 
@@ -48,6 +49,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+def too_many_requests(message: str, code: str, wait_s: float) -> APIError:
+    """A 429 that says when to come back: Retry-After in whole seconds (HTTP), and
+    retry-after-ms, which OpenAI's clients read first, with the exact wait."""
+    wait = max(0.001, wait_s)
+    return APIError(429, message, code=code,
+                    headers={"Retry-After": str(max(1, math.ceil(wait))),
+                             "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
 
 
 def error_body(status: int, message: str, param: str | None = None,

@@ -11,7 +11,7 @@ keeps its socket, its buffered response and its place in `limit_concurrency` for
 waits for the buffer to drain). Aborting drops the buffer and runs connection_lost, which tells
 the app the client left (http.disconnect), so the request frees its admission slot.
 
-The body has its own deadline in the app (GatewayState.read_json): it arrives after the headers.
+The body has its own deadline in the app (Intake.read): it arrives after the headers.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.formatters import FORMATTERS
+from gateway.intake import ROUTES as INTAKE_ROUTES
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -38,12 +38,12 @@ GENERATION_ERRORS = {"400": "bad JSON, a prompt beyond the context, a template e
 
 # path, method, request model (or None), summary, streams
 ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
-    ("/v1/completions", "post", FORMATTERS["completions"].schema,
+    ("/v1/completions", "post", INTAKE_ROUTES["completions"].schema,
      "OpenAI text completion (stream: true for SSE)", True),
-    ("/v1/chat/completions", "post", FORMATTERS["chat"].schema,
+    ("/v1/chat/completions", "post", INTAKE_ROUTES["chat"].schema,
      "OpenAI chat completion (stream: true for SSE)", True),
-    ("/v1/generate", "post", FORMATTERS["generate"].schema, "native generation", False),
-    ("/v1/generate/stream", "post", FORMATTERS["generate_stream"].schema,
+    ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
+    ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
      "native generation, streamed as SSE", True),
     ("/v1/models", "get", None, "the models the ready workers serve", False),
     ("/health", "get", None, "status, workers and queue (503 when not ready)", False),

@@ -1,8 +1,13 @@
 """The generation routes: OpenAI's completions and chat completions, and the native API.
 
-Each route is a Formatter (how a body becomes a Prepared request, how ChoiceEvents become chunks
-or a response) run by `run_route`, which owns the shared life: guard, admission, streaming or
-collecting, disconnects, deadlines, errors, and the final record.
+One way through, whatever the route (`run_route`):
+
+    auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ intake.read (413/408/400/422)
+    ──▶ admit.reserve (429) ──▶ intake.prepare (tokens, in a thread) ──▶ admit.check_fit
+    ──▶ admit.start (wait for the slot: 504; to a worker: 503) ──▶ the route's formatter,
+        streamed (SSE) or collected ──▶ accounting.record, on every exit
+
+A client that leaves at any point gives its place back at once (499).
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from gateway.admission import Ticket
 from gateway.errors import APIError, error_body, error_response
 from gateway.formatters import FORMATTERS, Formatter
 from gateway.generation import EngineFailure, Generation
-from gateway.service import GatewayState, Prepared
+from gateway.intake import EngineRequest
+from gateway.service import GatewayState
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
-from gateway.tenancy import cache_salt
 
 DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("kestrel.gateway")
@@ -29,64 +34,56 @@ log = logging.getLogger("kestrel.gateway")
 
 async def run_route(request: Request, route: str) -> Response:
     state: GatewayState = request.app.state.gateway
+    record = state.accounting.record
     arrival = time.monotonic()
     request_id = request.state.request_id  # set by errors.CatchAll, returned on every response
     headers = {"X-Request-ID": request_id}
-    fmt_cls: type[Formatter] = FORMATTERS[route]
     ticket: Ticket | None = None
     try:
-        key = state.guard(request)
-        state.precheck()  # a 429 costs no body read, no tokenizing, no thread
-        body = state.parse(fmt_cls.schema, await state.read_json(request))
-        fmt = fmt_cls(state, body)
-        deadline = state.deadline(arrival, getattr(body, "timeout", None))
-        ticket = state.reserve(deadline)  # the 429 decision, before tokenizing
+        key = state.auth.guard(request)
+        state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
+        draft = await state.intake.read(route, request, arrival)
+        ticket = state.admit.reserve(draft.deadline)  # the 429 decision, before tokenizing
         # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
         # client that leaves meanwhile gives it back at once.
-        prepared = await until_disconnect(request.receive, fmt.prepare(arrival), _nothing)
+        prepared = await until_disconnect(request.receive, state.intake.prepare(draft, key),
+                                          _nothing)
         if prepared is None:
             ticket.cancel()
-            state.record(route, 499, None, arrival, request_id, "aborted")
+            record(route, 499, None, arrival, request_id, "aborted")
             return Response(status_code=499)
-        prep = prepared
-        prep.cache_salt = cache_salt(key, getattr(body, "cache_salt", None))
-        state.check_fit(prep, ticket)  # 400 or 429 now, not a 504 after the deadline
-        if fmt.stream and not ticket.granted:
+        req = prepared
+        state.admit.check_fit(req, ticket)  # 400 or 429 now, not a 504 after the deadline
+        if draft.stream and not ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.
-            return _stream(state, route, fmt, None, arrival, request_id, headers,
-                           pending=(prep, ticket))
-        waiting, ticket = ticket, None  # state.start owns it now: it always gives it back
-
-        async def admit() -> Generation:
-            return await state.start(prep, waiting)
-
+            return _stream(state, req, None, request_id, headers, pending=ticket)
+        start, ticket = state.admit.start(req, ticket), None  # it always gives the ticket back
         # A client that leaves while its request waits in the queue gives its place back now,
         # not when the request would have reached a worker.
-        started = await until_disconnect(request.receive, admit(), _nothing, _close)
+        started = await until_disconnect(request.receive, start, _nothing, _close)
         if started is None:
-            state.record(route, 499, None, arrival, request_id, "aborted")
+            record(route, 499, None, arrival, request_id, "aborted")
             return Response(status_code=499)
         gen = started
     except APIError as exc:
         if ticket is not None:
             ticket.cancel()
-        state.record(route, exc.status, None, arrival, request_id)
+        record(route, exc.status, None, arrival, request_id)
         exc.headers = {**exc.headers, **headers}
         raise
     except Exception:  # a bug: errors.CatchAll logs it and answers 500
         if ticket is not None:
             ticket.cancel()
-        state.record(route, 500, None, arrival, request_id)
+        record(route, 500, None, arrival, request_id)
         raise
     except BaseException:  # cancelled (the server is stopping): give the place back
         if ticket is not None:
             ticket.cancel()
         raise
-    fmt.bind(gen)
-    if fmt.stream:
-        return _stream(state, route, fmt, gen, arrival, request_id, headers)
-    return await _collect(state, request, route, fmt, gen, arrival, request_id, headers)
+    if draft.stream:
+        return _stream(state, req, gen, request_id, headers)
+    return await _collect(state, request, req, FORMATTERS[route](req, gen), request_id, headers)
 
 
 async def _nothing() -> None:
@@ -97,11 +94,11 @@ async def _close(gen: Generation) -> None:
     await gen.close()
 
 
-def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation | None,
-            arrival: float, request_id: str, headers: dict[str, str],
-            pending: tuple[Prepared, Ticket] | None = None) -> SSEResponse:
+def _stream(state: GatewayState, req: EngineRequest, gen: Generation | None, request_id: str,
+            headers: dict[str, str], pending: Ticket | None = None) -> SSEResponse:
     """The SSE answer of a stream: for `gen`, or, with `pending`, for the request that waits
     in the queue for its ticket (started inside the stream, its errors sent as events)."""
+    route, arrival = req.route, req.arrival
     outcome: dict[str, Any] = {"status": 200, "finish": None, "gen": gen}
 
     async def on_disconnect() -> None:
@@ -109,15 +106,15 @@ def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation | N
         if outcome["gen"] is not None:
             await outcome["gen"].close()
         elif pending is not None:
-            pending[1].cancel()
+            pending.cancel()
 
     async def events():  # type: ignore[no-untyped-def]
         try:
             if outcome["gen"] is None:
                 assert pending is not None
-                outcome["gen"] = await state.start(*pending)
-                fmt.bind(outcome["gen"])
+                outcome["gen"] = await state.admit.start(req, pending)
             g: Generation = outcome["gen"]
+            fmt = FORMATTERS[route](req, g)
             for chunk in fmt.stream_start():
                 yield sse_event(chunk)
             async for event in g.events():
@@ -125,7 +122,7 @@ def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation | N
                     yield sse_event(chunk)
             for chunk in fmt.stream_end():
                 yield sse_event(chunk)
-            if any(r == "timeout" for r in g.finish_reasons):
+            if "timeout" in g.finish_reasons:
                 outcome["finish"] = "timeout"
         except APIError as exc:  # from starting a queued request: 504, 503
             outcome["status"] = exc.status
@@ -144,20 +141,20 @@ def _stream(state: GatewayState, route: str, fmt: Formatter, gen: Generation | N
                 if outcome["gen"] is not None:
                     await outcome["gen"].close()
                 elif pending is not None:
-                    pending[1].cancel()
-            state.record(route, int(outcome["status"]), outcome["gen"], arrival, request_id,
-                         outcome["finish"])
+                    pending.cancel()
+            state.accounting.record(route, int(outcome["status"]), outcome["gen"], arrival,
+                                    request_id, outcome["finish"])
         yield DONE
 
-    deadline = gen.deadline if gen is not None else pending[0].deadline  # type: ignore[index]
-    return SSEResponse(events(), on_disconnect, headers, deadline=deadline,
+    return SSEResponse(events(), on_disconnect, headers, deadline=req.deadline,
                        keepalive_s=state.cfg.sse_keepalive_s,
                        send_timeout_s=state.cfg.send_timeout_s)
 
 
-async def _collect(state: GatewayState, request: Request, route: str, fmt: Formatter,
-                   gen: Generation, arrival: float, request_id: str,
-                   headers: dict[str, str]) -> Response:
+async def _collect(state: GatewayState, request: Request, req: EngineRequest, fmt: Formatter,
+                   request_id: str, headers: dict[str, str]) -> Response:
+    gen = fmt.gen
+
     async def collect() -> dict[str, Any]:
         async for event in gen.events():
             fmt.add(event)
@@ -169,7 +166,7 @@ async def _collect(state: GatewayState, request: Request, route: str, fmt: Forma
         if result is None:
             status, finish = 499, "aborted"  # nginx's "client closed request": nobody reads it
             return Response(status_code=499)
-        if any(r == "timeout" for r in gen.finish_reasons):
+        if "timeout" in gen.finish_reasons:
             status, finish = 504, "timeout"
             return error_response(504, "the request's deadline passed before it finished",
                                   code="timeout", headers=headers)
@@ -182,7 +179,7 @@ async def _collect(state: GatewayState, request: Request, route: str, fmt: Forma
         raise
     finally:
         await gen.close()
-        state.record(route, status, gen, arrival, request_id, finish)
+        state.accounting.record(req.route, status, gen, req.arrival, request_id, finish)
 
 
 async def completions(request: Request) -> Response:

@@ -7,7 +7,7 @@ OpenAI clients expect. Validation happens before anything is tokenized or queued
 An absent max_tokens (max_new_tokens) means the route's default (16 for completions and the
 native API, as OpenAI's completions; 512 for chat), cut to the cap, the model's context and what
 the model's workers were measured to finish before the request's deadline
-(`GatewayState.make_params`): a request that asked for nothing is never a 422 nor a 504.
+(`Intake.sampling`): a request that asked for nothing is never a 422 nor a 504.
 Integers that travel to the worker are bounded here to what msgpack carries (64 bits), so a huge
 number is a 422, never an encoding error.
 """
@@ -50,10 +50,22 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _StopField(_Strict):
+class RequestBase(_Strict):
+    """What every generation route's body carries, and what those fields become for the engine:
+    the model, stop strings, the prefix-cache salt, the deadline and the shared sampling fields.
+    """
+
+    model: str | None = None
     stop: str | list[str] | None = None
     # vLLM's extension: requests share cached prefixes only with the same salt (and key).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: TOP_K = -1  # extension; -1 or 0: off
+    seed: SEED | None = None
+    ignore_eos: bool = False  # extension
+    speculative: bool = True  # extension: False opts this request out of speculative decoding
+    timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
 
     @field_validator("stop")
     @classmethod
@@ -70,23 +82,28 @@ class _StopField(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def requested_max_tokens(self) -> int | None:
+        """The one max_tokens of this body, whatever the route spells it; None: not set."""
+        return None
 
-class _SamplingFields(_StopField):
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+    def sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields this body sets (max_tokens aside: the intake decides it)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    seed=self.seed, ignore_eos=self.ignore_eos, speculative=self.speculative)
+
+
+class _SamplingFields(RequestBase):
     """Fields shared by the OpenAI routes."""
 
-    model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: TOP_K = -1  # extension; -1 or 0: off
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: SEED | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    ignore_eos: bool = False  # extension
-    speculative: bool = True  # extension: False opts this request out of speculative decoding
-    timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
     user: str | None = None
     # Declared so that it is refused (400), never silently ignored: the worker has no logit bias.
     logit_bias: dict[str, float] | None = None
@@ -102,6 +119,14 @@ class _SamplingFields(_StopField):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives per token to return; None: no logprobs."""
+        return None
+
+    def sampling(self) -> dict[str, Any]:
+        return dict(super().sampling(), n=self.n, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked())
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TOKEN_ID]
@@ -111,6 +136,9 @@ class CompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -148,20 +176,21 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-class GenerateRequest(_StopField):
+
+class GenerateRequest(RequestBase):
     """The native API: POST /v1/generate and /v1/generate/stream."""
 
     prompt: str
-    model: str | None = None
     max_new_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: TOP_K = -1
-    seed: SEED | None = None
-    ignore_eos: bool = False
-    speculative: bool = True  # False opts this request out of speculative decoding
-    timeout: Annotated[float, Field(gt=0.0)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_new_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        return dict(super().sampling(), n=1)
 
 
 def check_limits(prompt_chars: int, max_tokens: int | None, *, max_prompt_chars: int,

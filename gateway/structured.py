@@ -2,7 +2,7 @@
 
     body (response_format | guided_json | guided_regex | guided_choice | guided_grammar |
           structured_outputs | the tool plan's grammar)
-      ──build──▶ llguidance grammar (a JSON string) ──validate──▶ Prepared.grammar ──▶ Generate
+      ──build──▶ llguidance grammar (a JSON string) ──validate──▶ EngineRequest.grammar ──▶ Generate
 
 At most one source may be set (two would be two contradicting grammars): a second one is a 400.
 A bad schema, regex or grammar is a 400 here, at once, before anything is tokenized or queued;

@@ -1,8 +1,8 @@
 """One OpenTelemetry server span per request at the gateway, with the GenAI attribute names.
 
-    GatewayState.start: admitted ──start(gen)──▶ span (start time = the request's arrival),
+    Admitter.start: admitted  ──start(gen)──▶ span (start time = the request's arrival),
                         gen.traceparent set ──▶ Generate.traceparent ──▶ the worker's child span
-    GatewayState.record: any end ──end(...)──▶ usage, finish reasons, status ──▶ span ends
+    Accounting.record: any end ──end(...)──▶ usage, finish reasons, status ──▶ span ends
 
 A request refused before admission (401, 422, 429...) still gets its span, opened and closed at
 `end`. Spans are kept by engine request id between start and end; `end` always runs (it is

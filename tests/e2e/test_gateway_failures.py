@@ -386,19 +386,19 @@ def test_rate_limit_per_address_when_keys_are_off() -> None:
 
 FAULTS = '''
 import sys
-from gateway import formatters, service
+from gateway import formatters, intake
 
-def parse(self, cls, data, _orig=service.GatewayState.parse):
+def parse(cls, data, _orig=intake.parse_body):
     if isinstance(data, dict) and data.get("user") == "explode":
         raise RuntimeError("injected fault in parse")
-    return _orig(self, cls, data)
+    return _orig(cls, data)
 
 def stream_event(self, event, _orig=formatters.CompletionFormatter.stream_event):
     if self.body.user == "explode-stream" and self.gen.completion_tokens >= 2:
         raise RuntimeError("injected fault mid-stream")
     return _orig(self, event)
 
-service.GatewayState.parse = parse
+intake.parse_body = parse
 formatters.CompletionFormatter.stream_event = stream_event
 from gateway.main import main
 sys.exit(main())

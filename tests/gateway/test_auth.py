@@ -1,4 +1,4 @@
-"""API-key checks (GatewayState.check_key) against hostile Authorization headers.
+"""API-key checks (Auth.check_key) against hostile Authorization headers.
 
 A header is whatever bytes the client sent; Starlette hands them over latin-1-decoded, so a
 "non-ASCII" key reaches us as a str that hmac.compare_digest refuses with TypeError (a 500 before
@@ -31,13 +31,13 @@ def state() -> GatewayState:
                                  b"Bearer \xff\xfe", "Bearer 😀".encode()])
 def test_a_non_ascii_key_is_a_401_not_a_crash(state: GatewayState, raw: bytes) -> None:
     with pytest.raises(APIError) as exc:
-        state.check_key(request(raw))
+        state.auth.check_key(request(raw))
     assert exc.value.status == 401
 
 
 def test_a_configured_utf8_key_still_matches(state: GatewayState) -> None:
-    assert state.check_key(request(b"Bearer k1")) == "k1"
-    assert state.check_key(request("Bearer clé-é".encode())) is not None
+    assert state.auth.check_key(request(b"Bearer k1")) == "k1"
+    assert state.auth.check_key(request("Bearer clé-é".encode())) is not None
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)
@@ -45,7 +45,7 @@ def test_a_configured_utf8_key_still_matches(state: GatewayState) -> None:
 def test_any_header_bytes_give_a_key_or_a_401(state: GatewayState, raw: bytes) -> None:
     for value in (raw, b"Bearer " + raw, b"bearer  " + raw):
         try:
-            key = state.check_key(request(value))
+            key = state.auth.check_key(request(value))
         except APIError as exc:
             assert exc.status == 401
         else:

@@ -1,4 +1,4 @@
-"""gateway/metrics.py and what feeds it (Timings, GatewayState.record), with no processes:
+"""gateway/metrics.py and what feeds it (Timings, Accounting.record), with no processes:
 worker series carry a `worker` label and vanish with their worker, worker counters never go down,
 timings are measured per choice, and every exit path of a request is counted and logged once."""
 
@@ -161,7 +161,7 @@ def test_record_counts_and_logs_every_exit(state: GatewayState, caplog: pytest.L
                                            expected: str) -> None:
     g = None if gen is None else fake_gen(gen)
     with caplog.at_level(logging.INFO, logger="kestrel.gateway.requests"):
-        state.record("chat", status, g, 0.0, "client-id", finish)
+        state.accounting.record("chat", status, g, 0.0, "client-id", finish)
     scrape = samples(state.metrics)
     key = ("kestrel_requests_total", (("finish_reason", expected), ("route", "chat"),
                                       ("status", str(status))))

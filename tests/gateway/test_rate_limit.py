@@ -114,32 +114,32 @@ def request(key: str | None = None, host: str = "10.0.0.1") -> Request:
 def state(**cfg: object) -> tuple[GatewayState, FakeClock]:
     st = GatewayState(GatewayConfig(**cfg))  # type: ignore[arg-type]
     clock = FakeClock()
-    st.limiter = RateLimiter(st.cfg.rate_limit_rps, st.cfg.rate_limit_burst, clock=clock)
+    st.auth.limiter = RateLimiter(st.cfg.rate_limit_rps, st.cfg.rate_limit_burst, clock=clock)
     return st, clock
 
 
 def test_the_429_carries_retry_after_from_the_bucket() -> None:
     st, clock = state(rate_limit_rps=0.4, rate_limit_burst=1)
-    st.guard(request())
+    st.auth.guard(request())
     with pytest.raises(APIError) as exc:
-        st.guard(request())
+        st.auth.guard(request())
     err = exc.value
     assert err.status == 429 and err.code == "rate_limited"
     assert err.headers == {"Retry-After": "3", "retry-after-ms": "2500"}  # 1 token / 0.4 per s
     clock.now += 2.0
     with pytest.raises(APIError) as exc:
-        st.guard(request())
+        st.auth.guard(request())
     assert exc.value.headers == {"Retry-After": "1", "retry-after-ms": "500"}
-    st.guard(request(host="10.0.0.2"))  # keys off: the client is its address
+    st.auth.guard(request(host="10.0.0.2"))  # keys off: the client is its address
 
 
 def test_with_keys_the_client_is_its_key_not_its_address() -> None:
     st, _ = state(rate_limit_rps=1.0, rate_limit_burst=1, api_keys="k1,k2")
-    st.guard(request("k1"))
+    st.auth.guard(request("k1"))
     with pytest.raises(APIError) as exc:
-        st.guard(request("k1", host="10.9.9.9"))
+        st.auth.guard(request("k1", host="10.9.9.9"))
     assert exc.value.status == 429
-    st.guard(request("k2"))
+    st.auth.guard(request("k2"))
     with pytest.raises(APIError) as exc:
-        st.guard(request("nope"))
+        st.auth.guard(request("nope"))
     assert exc.value.status == 401

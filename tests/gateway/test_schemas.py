@@ -1,6 +1,6 @@
 """gateway/schemas.py: OpenAI's types, strictly; the bounds; the configured limits; and how a
 violation is named in the 422 (gateway/errors.validation_error). Also how parsed values become
-the limits a request runs under (GatewayState.make_params and deadline)."""
+the limits a request runs under (Intake.sampling and Intake.deadline)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def gw_state() -> GatewayState:
 
 def params(state: Any, prompt_len: int, max_tokens: int | None, default_max: int = 512,
            seconds: float = 10.0) -> Any:
-    return state.make_params(_Model(), prompt_len, max_tokens, default_max,
+    return state.intake.sampling(_Model(), prompt_len, max_tokens, default_max,
                              time.monotonic() + seconds)
 
 
@@ -160,10 +160,10 @@ def test_absent_max_tokens_is_the_routes_default_within_cap_and_context(gw_state
 
 
 def test_absent_max_tokens_is_cut_to_what_the_deadline_fits(gw_state: Any) -> None:
-    gw_state._load = lambda model_id: [("w", 0)]  # idle
+    gw_state.intake.load = lambda model_id: [("w", 0)]  # idle
     assert params(gw_state, 10, None, seconds=1.0).max_tokens == 30  # nothing measured yet
     # 0.1 s for 10 prompt tokens, then 50 ms a token
-    gw_state.service_times.observe("w", 1, 10, 0.1, 0.05)
+    gw_state.intake.service_times.observe("w", 1, 10, 0.1, 0.05)
     cut = params(gw_state, 10, None, seconds=1.0).max_tokens
     assert cut in (17, 18)  # (1.0 - 0.1) / 0.05, less the time this call took
     assert params(gw_state, 10, 25, seconds=1.0).max_tokens == 25  # asked for: kept
@@ -179,7 +179,7 @@ def test_beyond_the_context_is_a_400(gw_state: Any, prompt_len: int,
 
 
 def test_a_client_timeout_may_only_shorten_the_default_deadline(gw_state: Any) -> None:
-    assert gw_state.deadline(50.0, None) == 60.0
-    assert gw_state.deadline(50.0, 2.5) == 52.5
-    assert gw_state.deadline(50.0, 1e9) == 60.0
-    assert gw_state.deadline(50.0, float("inf")) == 60.0
+    assert gw_state.intake.deadline(50.0, None) == 60.0
+    assert gw_state.intake.deadline(50.0, 2.5) == 52.5
+    assert gw_state.intake.deadline(50.0, 1e9) == 60.0
+    assert gw_state.intake.deadline(50.0, float("inf")) == 60.0

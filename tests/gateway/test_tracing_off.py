@@ -21,7 +21,7 @@ class Link:
 
 state = GatewayState(GatewayConfig())
 loop = WorkerLoop(WorkerConfig(), None, Link(), None)
-assert state.tracer is None and loop.tracer is None
+assert state.accounting.tracer is None and loop.tracer is None
 print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
 """
 

@@ -1,0 +1,218 @@
+"""From a request body to an engine request, each part decided once.
+
+    read: the body (413/408/400, gateway.body) ──parse──▶ the route's schema (422)
+          ──▶ Draft: the body and its deadline (arrival + its timeout, within the default)
+    prepare: the prompt (the route's: text, token ids, or chat messages with tools rendered)
+          ──▶ limits (422) ──▶ grammar (400) ──▶ model (404/503) ──▶ tokens, in a thread (400)
+          ──▶ sampling parameters: max_tokens within the cap, the context (400) and what the
+              model's workers were measured to finish before the deadline ──▶ EngineRequest
+
+Between `read` and `prepare` the route takes the request's place in the admission queue (the
+429 is decided before anything is tokenized). Nothing here is written to a socket: the
+EngineRequest is what gateway.admit sends and what the formatters render from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from gateway.body import read_json
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient, ModelEntry
+from gateway.errors import APIError, validation_error
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestBase,
+    RequestLimitError,
+    check_limits,
+)
+from gateway.service_time import ServiceTimes
+from gateway.structured import request_grammar
+from gateway.tenancy import cache_salt
+from gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from gateway.tools import ToolPlan, render_messages
+from protocol import messages as m
+
+Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long prompt is CPU work
+
+
+@dataclass(frozen=True)
+class Route:
+    schema: type[RequestBase]
+    # max_tokens when a request sets none (then also cut to what the deadline fits): OpenAI's
+    # 16 for completions; for chat, enough for an answer, not the whole context.
+    default_max_tokens: int = 16
+    stream: bool | None = None  # None: the body's own `stream`
+
+
+ROUTES: dict[str, Route] = {
+    "completions": Route(CompletionRequest),
+    "chat": Route(ChatCompletionRequest, default_max_tokens=512),
+    "generate": Route(GenerateRequest, stream=False),
+    "generate_stream": Route(GenerateRequest, stream=True),
+}
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A valid body and its deadline: enough to take a place in the queue."""
+
+    route: str
+    body: Any  # the route's schema, a RequestBase
+    arrival: float  # monotonic
+    deadline: float  # monotonic
+    stream: bool  # answered as SSE
+
+
+@dataclass
+class EngineRequest:
+    """What the engine is asked, and what the response is rendered from."""
+
+    route: str
+    body: Any  # the body as the formatter reads it (a one-prompt batch is unwrapped)
+    arrival: float  # monotonic
+    deadline: float  # monotonic
+    stream: bool
+    model: ModelEntry
+    prompt_ids: list[int]
+    params: m.SamplingParams
+    stop: list[str]
+    grammar: str | None = None  # structured output (gateway/structured.py)
+    cache_salt: str = ""  # the prefix cache's tenant (gateway/tenancy.py)
+    tool_plan: ToolPlan | None = None  # chat with callable tools (gateway/tools.py)
+
+
+def parse_body(schema: type[RequestBase], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise APIError(422, "the body must be a JSON object", code="invalid_value")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class Intake:
+    def __init__(self, cfg: GatewayConfig, client: EngineClient,
+                 service_times: ServiceTimes) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.service_times = service_times
+        self.load = client.load  # (worker id, sequences it runs for us) of a model's workers
+
+    async def read(self, route: str, request: Request, arrival: float) -> Draft:
+        data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
+        spec = ROUTES[route]
+        body = parse_body(spec.schema, data)
+        stream = bool(body.stream) if spec.stream is None else spec.stream
+        return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream)
+
+    def deadline(self, arrival: float, timeout: float | None) -> float:
+        """A client's timeout may only shorten the default deadline."""
+        cfg = self.cfg
+        return arrival + (cfg.default_timeout_s if timeout is None
+                          else min(timeout, cfg.default_timeout_s))
+
+    async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
+        body, cfg = draft.body, self.cfg
+        tool_plan = ToolPlan.from_request(body) if isinstance(body, ChatCompletionRequest) \
+            else None
+        body, chars, encode = self._prompt(body, tool_plan)
+        if getattr(body, "logit_bias", None):
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
+                           code="unsupported_parameter")
+        max_tokens = body.requested_max_tokens()
+        try:
+            check_limits(chars, max_tokens, max_prompt_chars=cfg.max_prompt_chars,
+                         max_tokens_cap=cfg.max_tokens_cap)
+        except RequestLimitError as exc:
+            raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
+        # Structured output / tool grammar: a bad one is a 400 before anything is tokenized.
+        grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None)
+        model = self.model(body.model)
+        try:
+            ids = await asyncio.to_thread(encode, model.tokenizer)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"chat template: {exc}", param="messages") from None
+        if not ids:
+            raise APIError(422, "the prompt has no tokens", param="prompt", code="invalid_value")
+        vocab = model.tokenizer.vocab_size
+        if max(ids) >= vocab:  # only a prompt sent as token ids can fail this
+            raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
+                           param="prompt", code="invalid_token_ids")
+        params = self.sampling(model, len(ids), max_tokens, ROUTES[draft.route].default_max_tokens,
+                               draft.deadline, **body.sampling())
+        return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
+                             model, ids, params, body.stop_list(), grammar,
+                             cache_salt(key, body.cache_salt), tool_plan)
+
+    def _prompt(self, body: Any, tool_plan: ToolPlan | None) -> tuple[Any, int, Encode]:
+        """The body (a one-prompt batch unwrapped), the prompt's length in characters, and how
+        it becomes tokens."""
+        if isinstance(body, ChatCompletionRequest):
+            # Tool calls and results become plain turns; tools go into the system message.
+            messages = render_messages(body.messages, body.tools if tool_plan else None)
+            limit, timeout = self.cfg.rendered_prompt_limit, self.cfg.template_timeout_s
+
+            def chat(tok: GatewayTokenizer) -> list[int]:
+                # max_prompt_chars counts the messages' text; the rendering is bounded too.
+                text = tok.apply_chat_template(messages, max_chars=limit, timeout_s=timeout)
+                return tok.encode(text, add_special_tokens=False)
+
+            return body, sum(len(msg["content"]) for msg in messages), chat
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(422, "batched prompts are not supported: send one prompt",
+                               param="prompt", code="invalid_value")
+            prompt = prompt[0]
+            body = body.model_copy(update={"prompt": prompt})
+        if isinstance(prompt, str):
+            return body, len(prompt), lambda tok: tok.encode(prompt)
+        return body, len(prompt), lambda tok: list(prompt)
+
+    def model(self, name: str | None) -> ModelEntry:
+        """The model asked for by id or alias; absent: the first one served."""
+        models = self.client.models
+        if not models:
+            raise APIError(503, "no worker is ready yet", code="no_worker")
+        if name is None or name == "":
+            return next(iter(models.values()))
+        entry = self.client.model(name)
+        if entry is None:
+            raise APIError(404, f"model {name!r} is not served here (served: "
+                           f"{', '.join(models)})", param="model", code="model_not_found")
+        return entry
+
+    def sampling(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,
+                 default_max: int, deadline: float, **fields: Any) -> m.SamplingParams:
+        """An absent max_tokens is the route's default, within the cap and the context, and
+        within what the model's fastest worker was measured to finish before `deadline` at its
+        current load: a plain request ends with "length", never in a 504 nor refused for a
+        default it did not choose."""
+        room = model.hello.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = min(default_max, self.cfg.max_tokens_cap, room)
+            fits = self.service_times.tokens_within(
+                self.load(model.model_id), prompt_len, deadline - time.monotonic(),
+                fields.get("n", 1))
+            if fits is not None:
+                max_tokens = max(1, min(max_tokens, fits))
+            if room < 1:
+                raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room "
+                               f"in the context of {model.hello.max_model_len}",
+                               param="prompt", code="context_length_exceeded")
+        elif prompt_len + max_tokens > model.hello.max_model_len:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens})"
+                           f" exceeds the model's context of {model.hello.max_model_len}",
+                           param="max_tokens", code="context_length_exceeded")
+        top_k = fields.pop("top_k", -1)
+        return m.SamplingParams(max_tokens=max_tokens, top_k=max(0, top_k), **fields)

@@ -1,0 +1,52 @@
+"""A fake engine worker behind the real EngineClient: no sockets, scripted answers.
+
+The link's own bookkeeping (registry, router, request handles, dispatch) runs for real; only the
+socket send is replaced (as tests/gateway/test_engine_client.py does). A Generate is answered by
+scheduling TokenOutput frames through the client's own dispatch, as its receive loop would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.engine_client import EngineClient
+from gateway.registry import WorkerState
+from gateway.tokenizer import GatewayTokenizer
+from protocol import codec
+from protocol import messages as m
+
+
+class FakeEngine:
+    """One worker serving `model_id`; each Generate gets `tokens` (one frame each) per choice,
+    the last frame with `finish_reason`."""
+
+    def __init__(self, client: EngineClient, info: m.TokenizerInfo,
+                 tokenizer: GatewayTokenizer, model_id: str = "tiny", max_model_len: int = 2048,
+                 tokens: tuple[int, ...] = (1, 2, 3), finish_reason: str = "length") -> None:
+        self.client = client
+        self.tokens = tokens
+        self.finish_reason = finish_reason
+        self.sent: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+        hello = m.Hello(m.PROTOCOL_VERSION, "fake-worker", model_id, max_model_len, 65536, 8, info)
+        self.worker: WorkerState = client.registry.admit(
+            b"fake", hello, codec.tokenizer_digest(info), tokenizer)
+        client._send = self._send  # type: ignore[method-assign]
+
+    async def _send(self, identity: bytes, msg: Any) -> bool:
+        self.sent.append(msg)
+        if isinstance(msg, m.Generate):
+            task = asyncio.get_running_loop().create_task(self._answer(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _answer(self, gen: m.Generate) -> None:
+        for index in range(gen.params.n):
+            for k, token in enumerate(self.tokens):
+                last = k == len(self.tokens) - 1
+                await self.client._dispatch(self.worker, m.TokenOutput(
+                    gen.request_id, index, [token], self.finish_reason if last else None,
+                    prompt_tokens=len(gen.prompt_token_ids), completion_tokens=k + 1,
+                    since_scheduled_s=0.001 if k == 0 else None))
