@@ -1,0 +1,353 @@
+// Integer-dot matmuls over GGUF block-quantized weights (issue 21), as llama.cpp's CPU backend
+// does: y (M, N) float32 = x (M, K) float32 @ W^T for 1..16 activation rows, W in Q4_0, Q4_1 or
+// Q8_0 blocks of 32 inputs.
+//
+// Data flow of one call:
+//   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
+//   ties to even, scale d = amax/127 in float32; plus the block's code sum for the weight
+//   formats with an offset, Q8_1-style) -> for each tile of 8 output rows (at::parallel_for over
+//   tiles), for each chunk of up to 4 activation rows, for each block: one integer dot of the
+//   block's 32 codes with each of the tile's 8 rows (int32, exact), then in float32
+//   acc[i] = fma(float(isum_i), dw_i * dx, acc[i])   (+ fma(m_i, dx * sum(q), acc[i]) for Q4_1).
+//
+// Packed layouts (made once at load by engine_worker/int_dot.py from the GGUF bytes; N padded to
+// a multiple of 8 with zero rows; T = ceil(N/8) tiles, B = K/32 blocks):
+//   Q4_0 / Q4_1: qs uint8 (T, B, 128): 4 vectors of 32 bytes per (tile, block); in vector j,
+//     bytes 4i..4i+3 are bytes 4j..4j+3 of row i's GGUF nibbles, so the low nibbles are its
+//     elements 4j..4j+3 and the high nibbles elements 16+4j..16+4j+3.
+//     d float32 (T, B, 8) (and for Q4_1 m float32 (T, B, 8)); w = d*(q-8) (Q4_0), d*q + m (Q4_1).
+//   Q8_0: qs int8 (T, B, 256): 8 vectors of 32 bytes; in vector j, bytes 4i..4i+3 are row i's
+//     codes 4j..4j+3. d float32 (T, B, 8); w = d*q.
+// So one 32-bit lane of a vector holds 4 consecutive inputs of one output row: a dot of 4 bytes
+// per lane (maddubs+madd, or dpbusd) against the activation's 4 matching codes broadcast to all
+// lanes leaves lane i holding row i's partial sum, with no horizontal reduction.
+//
+// Integer products (unsigned * signed bytes, as the instructions take them):
+//   Q4_x: nibble q in 0..15 (unsigned) * activation code in -127..127; Q4_0's -8 is applied once
+//     per block as isum - 8 * sum(activation codes). AVX2 sums the 8 maddubs results of a block
+//     in int16 (at most 8 * 2 * 15 * 127 = 30480 < 32767) before one madd.
+//   Q8_0: signed * signed with the sign trick: |w| (unsigned) * (x with w's sign).
+// Integer sums are exact and the float steps are the same in every path and for every row count,
+// so AVX512-VNNI, AVX-VNNI, AVX2 and scalar builds give the same bits, and a row's result does not
+// depend on the other rows of the batch.
+//
+// ISA: chosen at compile time; engine_worker/kernel_build.py builds per host with -march=native
+// (or capped by KESTREL_CPU_ISA), so this is the host's run-time choice. int_dot_isa() says which.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KESTREL_SIMD 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KESTREL_VNNI 1
+#define KESTREL_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+constexpr const char* kIsa = "avx512vnni";
+#elif defined(__AVXVNNI__)
+#define KESTREL_VNNI 1
+#define KESTREL_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+constexpr const char* kIsa = "avxvnni";
+#else
+constexpr const char* kIsa = "avx2";
+#endif
+#else
+constexpr const char* kIsa = "scalar";
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 8;      // output rows interleaved per block
+constexpr int64_t kMaxRows = 16;  // activation rows per call
+constexpr int kChunk = 4;         // activation rows that share one pass over a tile's weights
+
+enum class Fmt { Q4_0, Q4_1, Q8_0 };
+
+constexpr int64_t packed_bytes(Fmt f) { return f == Fmt::Q8_0 ? 256 : 128; }
+constexpr const char* fmt_name(Fmt f) {
+  return f == Fmt::Q4_0 ? "q4_0" : f == Fmt::Q4_1 ? "q4_1" : "q8_0";
+}
+
+// The activation rows quantized to Q8 blocks: codes (M, K), scales (M, B), code sums (M, B) and
+// for the offset formats scale * code sum (M, B).
+struct QAct {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+  std::vector<float> s;
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
+  const int64_t blocks = k / kBlock;
+  a.q.resize(m * k);
+  a.d.resize(m * blocks);
+  a.sum.resize(m * blocks);
+  a.s.resize(m * blocks);
+  for (int64_t rb = 0; rb < m * blocks; ++rb) {
+    const float* xb = x + rb * kBlock;  // rows are contiguous, K a multiple of 32
+    float amax = 0.f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    // a block below 1e-30 (zero, or so small that 127/amax would overflow) quantizes to zeros
+    const bool live = amax >= 1e-30f;
+    const float d = live ? amax / 127.f : 0.f;
+    const float id = live ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    int8_t* qb = a.q.data() + rb * kBlock;
+    for (int j = 0; j < kBlock; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * id));  // ties to even
+      qb[j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    a.d[rb] = d;
+    a.sum[rb] = sum;
+    a.s[rb] = d * static_cast<float>(sum);
+  }
+}
+
+// One tile (8 output rows) against R activation rows: writes y[r, col .. col+valid).
+// qs: the tile's packed bytes (B * packed_bytes); dw, mw: the tile's (B, 8) scales / offsets.
+template <Fmt F, int R>
+void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blocks,
+                const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
+                int64_t valid) {
+  constexpr int64_t pb = packed_bytes(F);
+  float out[R][kTile];
+#if defined(KESTREL_SIMD)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+#if !defined(KESTREL_VNNI)
+  const __m256i ones16 = _mm256_set1_epi16(1);
+#endif
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = qs + b * pb;
+    const __m256 dwv = _mm256_loadu_ps(dw + b * kTile);
+    if constexpr (F == Fmt::Q8_0) {
+      __m256i wabs[8], w[8];
+      for (int j = 0; j < 8; ++j) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        wabs[j] = _mm256_abs_epi8(w[j]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * k + b * kBlock;
+        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq + 4 * j, 4);
+          std::memcpy(&x1, xq + 4 * j + 4, 4);
+          const __m256i s0 = _mm256_sign_epi8(_mm256_set1_epi32(x0), w[j]);
+          const __m256i s1 = _mm256_sign_epi8(_mm256_set1_epi32(x1), w[j + 1]);
+#if defined(KESTREL_VNNI)
+          i0 = KESTREL_DPBUSD(i0, wabs[j], s0);
+          i1 = KESTREL_DPBUSD(i1, wabs[j + 1], s1);
+#else
+          i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j], s0), ones16));
+          i1 = _mm256_add_epi32(i1,
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j + 1], s1), ones16));
+#endif
+        }
+        const __m256i isum = _mm256_add_epi32(i0, i1);
+        const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[row * blocks + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+      }
+    } else {
+      __m256i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        lo[j] = _mm256_and_si256(v, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * k + b * kBlock;
+#if defined(KESTREL_VNNI)
+        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xq + 4 * j, 4);
+          std::memcpy(&xh, xq + 16 + 4 * j, 4);
+          i0 = KESTREL_DPBUSD(i0, lo[j], _mm256_set1_epi32(xl));
+          i1 = KESTREL_DPBUSD(i1, hi[j], _mm256_set1_epi32(xh));
+        }
+        __m256i isum = _mm256_add_epi32(i0, i1);
+#else
+        __m256i p16 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xq + 4 * j, 4);
+          std::memcpy(&xh, xq + 16 + 4 * j, 4);
+          p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(xl)));
+          p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(xh)));
+        }
+        __m256i isum = _mm256_madd_epi16(p16, ones16);
+#endif
+        const int64_t ab = row * blocks + b;
+        if constexpr (F == Fmt::Q4_0) {
+          isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * a.sum[ab]));
+        }
+        const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[ab]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+        if constexpr (F == Fmt::Q4_1) {
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kTile), _mm256_set1_ps(a.s[ab]),
+                                   acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], acc[r]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kTile; ++i) out[r][i] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = qs + b * pb;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, ab = row * blocks + b;
+      const int8_t* xq = a.q.data() + row * k + b * kBlock;
+      for (int i = 0; i < kTile; ++i) {
+        int32_t isum = 0;
+        if constexpr (F == Fmt::Q8_0) {
+          for (int j = 0; j < 8; ++j)
+            for (int c = 0; c < 4; ++c)
+              isum += static_cast<int32_t>(static_cast<int8_t>(wb[32 * j + 4 * i + c])) *
+                      xq[4 * j + c];
+        } else {
+          for (int j = 0; j < 4; ++j)
+            for (int c = 0; c < 4; ++c) {
+              const uint8_t v = wb[32 * j + 4 * i + c];
+              isum += (v & 0x0F) * xq[4 * j + c] + (v >> 4) * xq[16 + 4 * j + c];
+            }
+          if constexpr (F == Fmt::Q4_0) isum -= 8 * a.sum[ab];
+        }
+        out[r][i] = std::fma(static_cast<float>(isum), dw[b * kTile + i] * a.d[ab], out[r][i]);
+        if constexpr (F == Fmt::Q4_1) out[r][i] = std::fma(mw[b * kTile + i], a.s[ab], out[r][i]);
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * n + col, out[r], valid * sizeof(float));
+}
+
+template <Fmt F>
+at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const c10::optional<at::Tensor>& m, int64_t n) {
+  const char* name = fmt_name(F);
+  TORCH_CHECK(n >= 1, "int_dot_", name, ": n = ", n, " must be >= 1");
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "int_dot_", name, ": x must be a contiguous (M, K) float32 CPU tensor, got ",
+              x.scalar_type(), " of shape ", x.sizes());
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "int_dot_", name, ": 1..16 rows of x, got ", rows);
+  TORCH_CHECK(k >= kBlock && k % kBlock == 0, "int_dot_", name, ": K = ", k,
+              " is not a positive multiple of 32");
+  const int64_t blocks = k / kBlock;
+  const auto qtype = F == Fmt::Q8_0 ? at::kChar : at::kByte;
+  TORCH_CHECK(qs.device().is_cpu() && qs.scalar_type() == qtype && qs.is_contiguous() &&
+                  qs.dim() == 3 && qs.size(0) == tiles && qs.size(1) == blocks &&
+                  qs.size(2) == packed_bytes(F),
+              "int_dot_", name, ": qs must be a contiguous ", at::toString(qtype), " (", tiles,
+              ", ", blocks, ", ", packed_bytes(F), ") CPU tensor for n = ", n, ", K = ", k,
+              ", got ", qs.scalar_type(), " of shape ", qs.sizes());
+  auto check_scales = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.dim() == 3 && t.size(0) == tiles && t.size(1) == blocks &&
+                    t.size(2) == kTile,
+                "int_dot_", name, ": ", what, " must be a contiguous float32 (", tiles, ", ",
+                blocks, ", 8) CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+  };
+  check_scales(d, "d");
+  const float* mp = nullptr;
+  if constexpr (F == Fmt::Q4_1) {
+    TORCH_CHECK(m.has_value(), "int_dot_q4_1: m is required");
+    check_scales(*m, "m");
+    mp = m->data_ptr<float>();
+  }
+  QAct a;
+  quantize_rows(x.data_ptr<float>(), rows, k, a);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t pb = packed_bytes(F);
+  at::parallel_for(0, tiles, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const uint8_t* tq = qp + t * blocks * pb;
+      const float* td = dp + t * blocks * kTile;
+      const float* tm = mp ? mp + t * blocks * kTile : nullptr;
+      const int64_t col = t * kTile, valid = std::min(kTile, n - col);
+      for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+        switch (std::min<int64_t>(kChunk, rows - r0)) {
+          case 1: tile_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+          case 2: tile_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+          case 3: tile_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+          default: tile_chunk<F, 4>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int_dot_q4_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        int64_t n) {
+  return int_dot<Fmt::Q4_0>(x, qs, d, c10::nullopt, n);
+}
+
+at::Tensor int_dot_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t n) {
+  return int_dot<Fmt::Q4_1>(x, qs, d, m, n);
+}
+
+at::Tensor int_dot_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        int64_t n) {
+  return int_dot<Fmt::Q8_0>(x, qs, d, c10::nullopt, n);
+}
+
+// The activation quantizer alone, for tests: (codes int8 (M, K), scales float32 (M, K/32),
+// code sums int32 (M, K/32)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int_dot_quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous() && x.size(1) % kBlock == 0,
+              "int_dot_quantize_q8: x must be a contiguous (M, K) float32 CPU tensor with K a "
+              "multiple of 32");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  QAct a;
+  quantize_rows(x.data_ptr<float>(), rows, k, a);
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({rows, blocks}, x.options());
+  at::Tensor s = at::empty({rows, blocks}, x.options().dtype(at::kInt));
+  std::memcpy(q.data_ptr(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr(), a.d.data(), a.d.size() * sizeof(float));
+  std::memcpy(s.data_ptr(), a.sum.data(), a.sum.size() * sizeof(int32_t));
+  return {q, d, s};
+}
+
+std::string int_dot_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
+  lib.def("int_dot_q4_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_q4_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
+  lib.def("int_dot_q8_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
+  lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
+}
+
+TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
+  lib.impl("int_dot_q4_0", &int_dot_q4_0);
+  lib.impl("int_dot_q4_1", &int_dot_q4_1);
+  lib.impl("int_dot_q8_0", &int_dot_q8_0);
+  lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
+}

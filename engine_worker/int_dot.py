@@ -1,0 +1,201 @@
+"""Integer-dot matmuls over GGUF Q4_0 / Q4_1 / Q8_0 weights (issue 21): the C++ kernel
+(csrc/int_dot.cpp) with its load-time repacking, and the pure-torch references it is tested by.
+
+Data flow:
+
+    GGUF block bytes, uint8 (N, K/32 * block bytes)
+      -> pack_q4_0 / pack_q4_1 / pack_q8_0 (once, at load): 8 output rows interleaved per block
+         of 32 inputs, scales as float32, N padded to a multiple of 8 -> Packed
+      -> mm(packed, x): x (M <= 16, K) float32 is quantized once per call to Q8 blocks (int8
+         codes, float32 scale amax/127, code sums for Q4_1's offset) and meets every output row
+         in integer dot products (AVX512-VNNI / AVX-VNNI / AVX2 / scalar, fixed when the kernel is
+         built for this host: kernel_build.load_kernel) -> y (M, N) float32
+
+References: `reference_mm` quantizes x the same way (bit-exact with the kernel's quantizer) and
+computes in float64 from the GGUF bytes: the kernel must equal it within float32 accumulation.
+`dequantize` gives the float64 weights for the float truth x @ W^T, which the kernel meets within
+the activations' 8-bit rounding.
+
+Not wired into the model yet: `load()` raises KernelUnavailable where no kernel can be built, and
+callers keep torch's paths for that case.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from engine_worker.kernel_build import KernelUnavailable, load_kernel
+
+BLOCK = 32  # inputs per quantization block
+TILE = 8  # output rows interleaved per packed block
+MAX_ROWS = 16  # activation rows per kernel call
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32
+FORMATS = tuple(BLOCK_BYTES)
+
+__all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
+           "pack_q4_0", "pack_q4_1", "pack_q8_0", "quantize_q8", "reference_mm"]
+
+
+class Packed(NamedTuple):
+    """One weight matrix in the kernel's layout (see csrc/int_dot.cpp). T = ceil(N/8), B = K/32.
+    qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for Q8_0; d, m: float32 (T, B, 8)."""
+
+    fmt: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+
+def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
+    """The GGUF bytes as uint8 (N, K/32, block bytes), checked."""
+    if k <= 0 or k % BLOCK or n <= 0:
+        raise ValueError(f"{fmt}: need N >= 1 and K a positive multiple of 32, got N={n}, K={k}")
+    t = torch.as_tensor(np.asarray(raw) if not isinstance(raw, torch.Tensor) else raw)
+    if t.dtype != torch.uint8:
+        raise ValueError(f"{fmt}: raw blocks must be uint8, got {t.dtype}")
+    want = (n, k // BLOCK * BLOCK_BYTES[fmt])
+    if tuple(t.shape) != want:
+        raise ValueError(f"{fmt}: raw blocks must have shape {want} for N={n}, K={k}, "
+                         f"got {tuple(t.shape)}")
+    return t.contiguous().view(n, k // BLOCK, BLOCK_BYTES[fmt])
+
+
+def _half(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte offset `at` of each block, as float32 (N, B)."""
+    return b[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _tiles(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Pad dim 0 (rows) to a multiple of TILE with zeros and split it: (T, 8, ...)."""
+    pad = -n % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, TILE, *t.shape[1:])
+
+
+def _scales(s: torch.Tensor, n: int) -> torch.Tensor:
+    return _tiles(s, n).transpose(1, 2).contiguous()  # (T, 8, B) -> (T, B, 8)
+
+
+def _interleave(codes: torch.Tensor, n: int) -> torch.Tensor:
+    """Codes (N, B, V*4) -> (T, B, V*32): vector j holds bytes 4j..4j+3 of each of 8 rows."""
+    t = _tiles(codes, n)  # (T, 8, B, V*4)
+    nt, _, b, width = t.shape
+    t = t.view(nt, TILE, b, width // 4, 4).permute(0, 2, 3, 1, 4)  # (T, B, V, 8, 4)
+    return t.contiguous().view(nt, b, width * TILE)
+
+
+def pack_q4_0(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    b = _blocks(raw, "q4_0", n, k)
+    return Packed("q4_0", n, k, _interleave(b[..., 2:], n), _scales(_half(b, 0), n))
+
+
+def pack_q4_1(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    b = _blocks(raw, "q4_1", n, k)
+    return Packed("q4_1", n, k, _interleave(b[..., 4:], n), _scales(_half(b, 0), n),
+                  _scales(_half(b, 2), n))
+
+
+def pack_q8_0(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    b = _blocks(raw, "q8_0", n, k)
+    codes = b[..., 2:].contiguous().view(torch.int8)
+    return Packed("q8_0", n, k, _interleave(codes, n), _scales(_half(b, 0), n))
+
+
+PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0}
+
+
+def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    if fmt not in PACKERS:
+        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    return PACKERS[fmt](raw, n, k)
+
+
+@cache
+def _load(cache_dir: str) -> None:
+    load_kernel("int_dot", cache_dir, "int_dot_q4_0", seconds=30)
+
+    @torch.library.register_fake("kestrel::int_dot_q4_0")
+    def _fake_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("kestrel::int_dot_q4_1")
+    def _fake_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("kestrel::int_dot_q8_0")
+    def _fake_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+
+def load(cache_dir: str | Path | None = None) -> None:
+    """Build (first time on this host) and load the kernel; KernelUnavailable says why not.
+    cache_dir: where built kernels live (default: KESTREL_CACHE_DIR or the worker's default)."""
+    if cache_dir is None:
+        from engine_worker.config import cache_dir_from_env
+
+        cache_dir = cache_dir_from_env()
+    _load(str(cache_dir))
+
+
+def isa() -> str:
+    """The instruction path the loaded kernel was compiled with: avx512vnni, avxvnni, avx2 or
+    scalar (load() first)."""
+    return torch.ops.kestrel.int_dot_isa()
+
+
+def mm(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """y (M, N) float32 = x (M, K) float32 @ W^T through the kernel (load() first)."""
+    if p.fmt == "q4_1":
+        return torch.ops.kestrel.int_dot_q4_1(x, p.qs, p.d, p.m, p.n)
+    return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.n)
+
+
+# --- references (pure torch) -------------------------------------------------------------------
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (codes int8 (M, K), scales float32 (M, K/32), code sums int32), the
+    kernel's quantizer bit for bit: d = amax/127, codes round(x * (127/amax)) ties to even, all
+    in float32 (tensor by tensor division: torch's scalar forms multiply by a reciprocal)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1)
+    live, c127, zero = amax >= 1e-30, torch.full_like(amax, 127.0), torch.zeros_like(amax)
+    d = torch.where(live, amax / c127, zero)  # a block below 1e-30 quantizes to zeros
+    inv = torch.where(live, c127 / torch.where(live, amax, c127), zero)
+    codes = torch.round(xb * inv[..., None])
+    return (codes.to(torch.int8).reshape(m, k), d, codes.sum(-1).to(torch.int32))
+
+
+def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
+               offset: bool = True) -> torch.Tensor:
+    """The GGUF weights as float64 (N, K). offset=False leaves out Q4_1's m (the part of w that
+    the kernel takes through the activations' code sums)."""
+    b = _blocks(raw, fmt, n, k)
+    d = _half(b, 0).double()[..., None]
+    if fmt == "q8_0":
+        w = d * b[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        nib = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+        q = torch.cat([nib & 0x0F, nib >> 4], -1).double()  # elements 0..15, then 16..31
+        w = d * (q - 8) if fmt == "q4_0" else d * q
+        if fmt == "q4_1" and offset:
+            w = w + _half(b, 2).double()[..., None]
+    return w.reshape(n, k)
+
+
+def reference_mm(fmt: str, x: torch.Tensor, raw: np.ndarray | torch.Tensor, n: int,
+                 k: int) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantized to Q8 as the kernel does, times the
+    GGUF weights. Returns float64 (M, N)."""
+    codes, d, _ = quantize_q8(x)
+    xq = (codes.double().view(x.shape[0], -1, BLOCK) * d.double()[..., None]).view(x.shape)
+    return xq @ dequantize(fmt, raw, n, k).t()
