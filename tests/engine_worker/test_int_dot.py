@@ -1,0 +1,174 @@
+"""The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
+and Q8_0 weights made by the `gguf` package: equal to the Q8-activation reference within float32
+accumulation, within the activations' 8-bit rounding of the float truth, the same bits for a row
+alone or in a batch, clear errors on bad input, and the ISA path the build was capped to.
+
+Runs under `make test` (native) and `make test-avx2` (KESTREL_CPU_ISA=avx2 builds the AVX2 path).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine_worker import int_dot
+from engine_worker.kernel_build import KernelUnavailable, _cpu_flags, isa_cap
+
+Q = gguf.GGMLQuantizationType
+QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+ROWS = (1, 2, 3, 4, 7, 8, 16)
+SHAPES = ((96, 64), (576, 576), (100, 160))  # (N, K); 100 is not a multiple of the 8-row tile
+ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
+
+
+@pytest.fixture(scope="module")
+def kernel(cache_dir: Path) -> None:
+    try:
+        int_dot.load(cache_dir)
+    except KernelUnavailable as e:
+        pytest.skip(f"the int_dot kernel is not available here: {e}")
+
+
+@cache
+def _weights(fmt: str, n: int, k: int) -> np.ndarray:
+    """GGUF block bytes (N, K/32 * block bytes) of random weights, quantized by gguf."""
+    rng = np.random.default_rng(n * 7919 + k + len(fmt))
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[:, :32] += 0.7  # an offset block: Q4_1's m is far from zero there
+    return gguf.quants.quantize(w, QTYPES[fmt])
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 32:64] *= 30  # blocks of different scales
+    return x
+
+
+def test_dequantize_equals_gguf() -> None:
+    for fmt in int_dot.FORMATS:
+        raw = _weights(fmt, 40, 96)
+        want = torch.from_numpy(gguf.quants.dequantize(raw, QTYPES[fmt])).double()
+        assert torch.equal(int_dot.dequantize(fmt, raw, 40, 96), want)
+
+
+def test_packed_layout() -> None:
+    """Q4_0's vector j, lane i: bytes 4j..4j+3 of row i's nibbles; N padded with zero rows."""
+    raw = _weights("q4_0", 12, 64)
+    p = int_dot.pack_q4_0(torch.from_numpy(raw), 12, 64)
+    assert p.qs.shape == (2, 2, 128) and p.d.shape == (2, 2, 8) and p.m is None
+    blocks = torch.from_numpy(raw).view(12, 2, 18)
+    for row, blk, j in ((0, 0, 0), (5, 1, 3), (11, 1, 2)):
+        tile, lane = divmod(row, 8)
+        got = p.qs[tile, blk, 32 * j + 4 * lane:32 * j + 4 * lane + 4]
+        assert torch.equal(got, blocks[row, blk, 2 + 4 * j:2 + 4 * j + 4])
+        assert p.d[tile, blk, lane] == blocks[row, blk, :2].view(torch.float16).float()
+    assert not p.qs[1, :, 4 * 4:32].any() and not p.d[1, :, 4:].any()  # rows 12..15: padding
+    q8 = int_dot.pack_q8_0(_weights("q8_0", 8, 32), 8, 32)
+    assert q8.qs.shape == (1, 1, 256) and q8.qs.dtype == torch.int8
+
+
+def test_activation_quantizer_is_the_references(kernel: None) -> None:
+    x = _x(5, 128, 1)
+    x[1, :32] = 0  # an all-zero block
+    x[2, 64:96] = 1e-35  # too small to scale: zeros as well
+    x[3, :4] = torch.tensor([0.5, -0.5, 1.5, 2.5]) * (x[3, :32].abs().max() / 127)  # ties
+    got = torch.ops.kestrel.int_dot_quantize_q8(x)
+    want = int_dot.quantize_q8(x)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert not want[0][1, :32].any() and not want[0][2, 64:96].any()
+    assert want[0].abs().max() <= 127
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("fmt", int_dot.FORMATS)
+def test_kernel_equals_q8_reference(kernel: None, fmt: str, n: int, k: int, rows: int) -> None:
+    raw = _weights(fmt, n, k)
+    x = _x(rows, k, rows * 31 + n)
+    y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    want = int_dot.reference_mm(fmt, x, raw, n, k)
+    # bound scale: the sum of |terms| the kernel adds, Q4_1's d*q and m parts apart
+    codes, d, _ = int_dot.quantize_q8(x)
+    xq = (codes.double().view(rows, -1, 32) * d.double()[..., None]).view(rows, k).abs()
+    w_q = int_dot.dequantize(fmt, raw, n, k, offset=False)
+    w_m = int_dot.dequantize(fmt, raw, n, k) - w_q
+    mag = xq @ (w_q.abs() + w_m.abs()).t()
+    err = (y.double() - want).abs()
+    assert (err <= ACC_RTOL * mag + 1e-30).all(), f"worst {(err / mag).max():.3g} of |terms|"
+    # against the float truth: each input moved by at most half its block's step d/2
+    w = int_dot.dequantize(fmt, raw, n, k)
+    truth = x.double() @ w.t()
+    half_step = (d.double() / 2).repeat_interleave(32, dim=1)
+    bound = half_step @ w.abs().t() + ACC_RTOL * mag
+    assert ((y.double() - truth).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", int_dot.FORMATS)
+def test_row_result_does_not_depend_on_the_batch(kernel: None, fmt: str) -> None:
+    n, k = 100, 160
+    p = int_dot.pack(fmt, _weights(fmt, n, k), n, k)
+    x = _x(16, k, 5)
+    full = int_dot.mm(p, x)
+    for lo, hi in ((0, 1), (3, 4), (5, 12), (15, 16)):
+        assert torch.equal(int_dot.mm(p, x[lo:hi].contiguous()), full[lo:hi])
+
+
+def test_zero_rows_give_zeros(kernel: None) -> None:
+    for fmt in int_dot.FORMATS:
+        p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
+        assert not int_dot.mm(p, torch.zeros(3, 64)).any()
+
+
+def test_bad_input_raises_clear_errors(kernel: None) -> None:
+    raw = _weights("q4_1", 96, 64)
+    p = int_dot.pack_q4_1(raw, 96, 64)
+    op = torch.ops.kestrel.int_dot_q4_1
+    with pytest.raises(RuntimeError, match="1..16 rows"):
+        int_dot.mm(p, torch.randn(17, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        int_dot.mm(p, torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        int_dot.mm(p, torch.randn(64, 2).t())
+    with pytest.raises(RuntimeError, match="qs must be"):  # x's K does not match the weights
+        int_dot.mm(p, torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        int_dot.mm(p, torch.randn(2, 48))
+    with pytest.raises(RuntimeError, match="qs must be"):  # n of another matrix
+        op(torch.randn(1, 64), p.qs, p.d, p.m, 200)
+    with pytest.raises(RuntimeError, match="m must be"):
+        op(torch.randn(1, 64), p.qs, p.d, p.m.double(), 96)
+    with pytest.raises(RuntimeError, match="qs must be"):  # Q8_0's op on Q4 bytes
+        torch.ops.kestrel.int_dot_q8_0(torch.randn(1, 64), p.qs, p.d, 96)
+    with pytest.raises(ValueError, match="shape"):
+        int_dot.pack_q4_1(raw[:, :-1], 96, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int_dot.pack_q4_0(raw, 96, 60)
+    with pytest.raises(ValueError, match="uint8"):
+        int_dot.pack_q8_0(np.zeros((8, 34), np.int8), 8, 32)
+    with pytest.raises(ValueError, match="unknown format"):
+        int_dot.pack("q5_0", raw, 96, 64)
+
+
+def test_isa_is_the_capped_one(kernel: None) -> None:
+    """KESTREL_CPU_ISA=avx2 (x86-64-v3) or avx512 (x86-64-v4, which has no VNNI) build the AVX2
+    path; native builds the best this CPU has."""
+    flags = set(_cpu_flags().split())
+    cap = isa_cap()
+    if cap in ("avx2", "avx512"):
+        want = "avx2"
+    elif {"avx512_vnni", "avx512vl"} <= flags:
+        want = "avx512vnni"
+    elif "avx_vnni" in flags:
+        want = "avxvnni"
+    elif {"avx2", "fma"} <= flags:
+        want = "avx2"
+    else:
+        want = "scalar"
+    assert int_dot.isa() == want
