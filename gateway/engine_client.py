@@ -1,18 +1,17 @@
-"""The gateway's side of the engine link: one ROUTER socket, any number of workers.
+"""The gateway's side of the engine link: requests to workers and their answers back.
 
-    start: ZAP authenticator (CURVE allow-list) running ──before──▶ bind the ROUTER
-    frame from a known worker ──(any frame: proof of life)──▶ decode ──▶ _dispatch
-    frame from an unknown peer: Hello ──▶ a task of its own (decode, check, tokenizer load in
-        threads; the receive loop keeps reading heartbeats meanwhile) ──▶ Welcome or refusal;
-        anything else ──▶ dropped undecoded, at most one Reset per peer per RESET_INTERVAL_S
     handler ──submit()──▶ registry.candidates (model, context fits) ──router.pick──▶ Generate
     handler ──cancel()──▶ the worker that owns the request ──Cancel──▶ worker
-    lost worker (silent for heartbeat_timeout_s, WorkerDying, or its connection closed, which
-        the socket monitor reports at once): requests that got no token yet are sent once to
-        another worker; the others get a WorkerLost event, so nothing waits forever.
+    frame from a known worker ──(any frame: proof of life)──▶ decode ──▶ _dispatch: token
+        frames and errors to the request's queue, heartbeats to the worker's stats
+    frame from an unknown peer ──▶ gateway.membership (Hello, or a Reset)
+    lost worker (gateway.membership: silent, connection closed; or WorkerDying, or a send that
+        failed): requests that got no token yet are sent once to another worker; the others
+        get a WorkerLost event, so nothing waits forever.
 
-Workers and models live in gateway.registry; the routing policy in gateway.router. A frame that
-does not decode is logged and answered with a ProtocolError, never raised into the receive loop.
+The socket is gateway.link; workers and models live in gateway.registry; the routing policy in
+gateway.router. A frame that does not decode is logged and answered with a ProtocolError, never
+raised into the receive loop.
 """
 
 from __future__ import annotations
@@ -23,13 +22,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import zmq
-import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
-from zmq.utils.monitor import parse_monitor_message
-
 from gateway.config import GatewayConfig
-from gateway.hello import Refused, vet_hello
+from gateway.link import EngineLink
+from gateway.membership import Membership
 from gateway.registry import ModelEntry, Registry, WorkerState
 from gateway.request_handle import (
     NoWorkerError,
@@ -41,16 +36,13 @@ from gateway.request_handle import (
 from gateway.router import Router
 from protocol import codec
 from protocol import messages as m
-from protocol.transport import KeyPair, configure_router, is_loopback, load_secret_key
+from protocol.transport import KeyPair, load_secret_key
 
 __all__ = ["EngineClient", "ModelEntry", "NoWorkerError", "RequestHandle", "Stopping",
            "WorkerLost", "WorkerState", "new_request_id"]
 
 log = logging.getLogger("kestrel.gateway.engine")
 
-RESET_INTERVAL_S = 2.0  # at most one Reset per unknown peer per interval
-MAX_PENDING_HELLOS = 8  # Hellos being checked at once; more are dropped (the worker retries)
-REFUSAL_LOG_S = 60.0  # one log line per refused peer and reason this often; the rest counted
 FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout"})
 
 
@@ -58,23 +50,13 @@ class EngineClient:
     def __init__(self, address: str, heartbeat_timeout_s: float = 1.5,
                  keys: KeyPair | None = None, authorized_keys: str | None = None,
                  routing: str = "cache_aware") -> None:
-        self.address = address
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.keys = keys
-        self.authorized_keys = authorized_keys
         self.registry = Registry()
         self.router = Router(routing)
         self.requests: dict[str, RequestHandle] = {}
-        self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._auth: AsyncioAuthenticator | None = None
+        self.link = EngineLink(address, keys, authorized_keys, name_of=self._name_of)
+        self.membership = Membership(self.link, self.registry, heartbeat_timeout_s,
+                                     on_lost=self._drop_worker)
         self._tasks: list[asyncio.Task] = []
-        self._hellos: dict[bytes, asyncio.Task] = {}  # identity -> its Hello being checked
-        self._last_reset: dict[bytes, float] = {}
-        # (who, reason) -> (when last logged, refusals since): a peer retrying its Hello every
-        # second must not fill the log
-        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         self.on_stats: list[Any] = []  # callbacks(worker, stats), for metrics
 
     @classmethod
@@ -91,39 +73,23 @@ class EngineClient:
     def models(self) -> dict[str, ModelEntry]:
         return self.registry.models
 
+    def _name_of(self, identity: bytes) -> str:
+        worker = self.workers.get(identity)
+        return worker.name if worker else "(unknown)"
+
     async def start(self) -> None:
-        if self.keys is not None:
-            # The authenticator must run before bind: a CURVE server without one accepts any
-            # client that knows its public key.
-            self._auth = AsyncioAuthenticator(self._ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=self.authorized_keys)
-        elif not is_loopback(self.address):
-            log.warning("the engine link binds %s without CURVE keys: anyone who reaches it can "
-                        "join as a worker (pass --link-secret-key and --link-authorized-keys)",
-                        self.address)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        configure_router(self._sock, self.keys)
-        self._sock.bind(self.address)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-receive"),
-                       asyncio.create_task(self._liveness_loop(), name="engine-liveness"),
-                       asyncio.create_task(self._disconnect_loop(), name="engine-disconnects")]
-        log.info("engine link bound at %s (CURVE %s)", self.address,
-                 "on" if self.keys else "off")
+        self.link.bind()
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-receive"),
+            asyncio.create_task(self.membership.liveness_loop(), name="engine-liveness"),
+            asyncio.create_task(self.membership.disconnect_loop(), name="engine-disconnects")]
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self._hellos.values()]:
+        hellos = list(self.membership.hellos.values())
+        for task in [*self._tasks, *hellos]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._hellos.values(), return_exceptions=True)
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
+        await asyncio.gather(*self._tasks, *hellos, return_exceptions=True)
+        self.link.close()
 
     # ---- for the HTTP layer -----------------------------------------------------------------
 
@@ -181,12 +147,12 @@ class EngineClient:
             return
         self.release(handle)
         if handle.worker.identity in self.workers:
-            await self._send(handle.worker.identity, m.Cancel(handle.request_id))
+            await self.link.send(handle.worker.identity, m.Cancel(handle.request_id))
 
     async def cancel_choice(self, handle: RequestHandle, index: int) -> None:
         """Tell the worker to stop one choice of a request that goes on (n > 1)."""
         if not handle.closed and handle.worker.identity in self.workers:
-            await self._send(handle.worker.identity, m.Cancel(handle.request_id, index))
+            await self.link.send(handle.worker.identity, m.Cancel(handle.request_id, index))
 
     def fail_all(self, reason: str) -> None:
         """End every request in flight (the drain timeout passed): each gets a Stopping event,
@@ -206,39 +172,16 @@ class EngineClient:
         handle.worker = worker
         worker.inflight.add(handle.request_id)
         gen = replace(handle.gen, timeout_s=handle.remaining(), deadline=None)
-        if not await self._send(worker.identity, gen):
+        if not await self.link.send(worker.identity, gen):
             self._drop_worker(worker, "unreachable")
-
-    async def _send(self, identity: bytes, msg: Any) -> bool:
-        assert self._sock is not None
-        try:
-            await self._sock.send_multipart([identity, *codec.encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading
-            worker = self.workers.get(identity)
-            log.warning("could not send %s to worker %s: %s", type(msg).__name__,
-                        worker.name if worker else "(unknown)", exc)
-            return False
-
-    async def _reset(self, identity: bytes) -> None:
-        """Ask an unknown peer (a worker of a previous gateway life) for a Hello, rarely."""
-        now = time.monotonic()
-        if now - self._last_reset.get(identity, -RESET_INTERVAL_S) < RESET_INTERVAL_S:
-            return
-        if len(self._last_reset) > 4096:  # bounded: forget peers not reset recently
-            self._last_reset = {k: t for k, t in self._last_reset.items()
-                                if now - t < RESET_INTERVAL_S}
-        self._last_reset[identity] = now
-        await self._send(identity, m.Reset("unknown worker: say hello"))
 
     # ---- receiving --------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
-        assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
+            identity, body = await self.link.recv()
             try:
-                await self._on_frames(frames[0], frames[1:])
+                await self._on_frames(identity, body)
             except Exception:  # one bad frame or bug must not stop the link
                 log.exception("error while handling a frame from a worker")
 
@@ -247,19 +190,19 @@ class EngineClient:
         kind = codec.peek_type(body)
         if worker is None:
             if kind is m.Hello:
-                self._start_hello(identity, body)
+                self.membership.start_hello(identity, body)
             elif kind is not None and kind is not m.WorkerDying:
-                await self._reset(identity)  # never decoded: unknown peers get no CPU
+                await self.membership.reset(identity)  # never decoded: unknown peers get no CPU
             return
         worker.last_seen = time.monotonic()  # any frame is proof of life
         if kind is m.Hello:
-            self._start_hello(identity, body)  # a repeated Hello: answered off the loop too
+            self.membership.start_hello(identity, body)  # a repeated Hello: off the loop too
             return
         try:
             msg = codec.decode(body)  # small: codec limits non-Hello payloads to 64 KiB
         except codec.DecodeError as exc:
             log.warning("dropped a frame from worker %s that did not decode: %s", worker.name, exc)
-            await self._send(identity, m.ProtocolError(f"gateway could not decode: {exc}"))
+            await self.link.send(identity, m.ProtocolError(f"gateway could not decode: {exc}"))
             return
         await self._dispatch(worker, msg)
 
@@ -285,46 +228,6 @@ class EngineClient:
         elif isinstance(msg, m.ProtocolError):
             log.warning("worker %s could not decode a frame of ours: %s", worker.name,
                         msg.message[:200])
-
-    def _start_hello(self, identity: bytes, body: list[bytes]) -> None:
-        if identity in self._hellos or len(self._hellos) >= MAX_PENDING_HELLOS:
-            return  # one at a time per peer; the worker says Hello again if unanswered
-        task = asyncio.create_task(self._on_hello(identity, body), name="engine-hello")
-        self._hellos[identity] = task
-        task.add_done_callback(lambda _t: self._hellos.pop(identity, None))
-
-    async def _refuse(self, identity: bytes, who: str, reason: str) -> None:
-        now, key = time.monotonic(), (who, reason)
-        last = self._refusals.get(key)
-        if last is None or now - last[0] >= REFUSAL_LOG_S:
-            more = f" ({last[1]} more refused since)" if last and last[1] else ""
-            log.warning("refused worker %s: %s%s", who, reason[:300], more)
-            if len(self._refusals) >= 1024:  # bounded: a flood of distinct reasons
-                self._refusals.clear()
-            self._refusals[key] = (now, 0)
-        else:
-            self._refusals[key] = (last[0], last[1] + 1)
-        await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, False, reason))
-
-    async def _on_hello(self, identity: bytes, body: list[bytes]) -> None:
-        if identity in self.workers:  # a repeated Hello: answer it again, unread
-            await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
-            return
-        try:
-            vetted = await vet_hello(self.registry, body)
-        except codec.DecodeError as exc:
-            log.warning("dropped a Hello that did not decode: %s", exc)
-            await self._send(identity, m.ProtocolError(f"gateway could not decode: {exc}"))
-            return
-        if isinstance(vetted, Refused):
-            await self._refuse(identity, vetted.who, vetted.reason)
-            return
-        hello = vetted.hello
-        worker = self.registry.admit(identity, hello, vetted.digest, vetted.tokenizer)
-        self._last_reset.pop(identity, None)
-        await self._send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
-        log.info("worker %s ready: model %s, max_model_len %d, KV %d tokens", worker.name,
-                 hello.model_id, hello.max_model_len, hello.kv_capacity_tokens)
 
     # ---- losing workers ---------------------------------------------------------------------
 
@@ -358,27 +261,3 @@ class EngineClient:
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
         return True
-
-    async def _disconnect_loop(self) -> None:
-        """A peer's connection closed: find out whether it was a worker, and drop it now."""
-        assert self._monitor is not None
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] != zmq.EVENT_DISCONNECTED:
-                continue
-            # The event does not say which peer. With ROUTER_MANDATORY a send to a peer whose
-            # connection is gone fails at once, so probe each worker with a harmless frame (a
-            # repeated Welcome). Probe twice: the socket may take a moment to retire the pipe.
-            for _ in range(2):
-                for worker in [w for w in self.workers.values() if w.ready]:
-                    if not await self._send(worker.identity, m.Welcome(m.PROTOCOL_VERSION, True)):
-                        self._drop_worker(worker, "its connection closed")
-                await asyncio.sleep(0.1)
-
-    async def _liveness_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_timeout_s / 10)  # detected within 1.1x the timeout
-            now = time.monotonic()
-            for worker in list(self.workers.values()):
-                if worker.ready and now - worker.last_seen > self.heartbeat_timeout_s:
-                    self._drop_worker(worker, f"silent for {now - worker.last_seen:.1f} s")

@@ -32,7 +32,7 @@ class FakeEngine:
         hello = m.Hello(m.PROTOCOL_VERSION, "fake-worker", model_id, max_model_len, 65536, 8, info)
         self.worker: WorkerState = client.registry.admit(
             b"fake", hello, codec.tokenizer_digest(info), tokenizer)
-        client._send = self._send  # type: ignore[method-assign]
+        client.link.send = self._send  # type: ignore[method-assign]
 
     async def _send(self, identity: bytes, msg: Any) -> bool:
         self.sent.append(msg)

@@ -47,7 +47,7 @@ class Setup:
 def setup(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
     s = Setup(smollm2_info, smollm2, max_outstanding=1, max_queue=1)
     yield s
-    s.client._ctx.term()
+    s.client.link.close()
 
 
 def test_the_limit_is_the_setting_or_the_workers_capacity(setup: Setup,
@@ -56,7 +56,7 @@ def test_the_limit_is_the_setting_or_the_workers_capacity(setup: Setup,
     assert setup.admit.limit() == 1
     other = Setup(smollm2_info, smollm2)
     assert other.admit.limit() == 8  # the fake worker's max_num_seqs
-    other.client._ctx.term()
+    other.client.link.close()
 
 
 def test_draining_is_a_503_before_and_after_the_body(setup: Setup) -> None:

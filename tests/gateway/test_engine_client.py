@@ -22,7 +22,7 @@ def client_with_workers(n: int) -> tuple[EngineClient, list[Any], list]:
         sent.append((identity, msg))
         return True
 
-    client._send = fake_send  # type: ignore[method-assign]
+    client.link.send = fake_send  # type: ignore[method-assign]
     digest = codec.tokenizer_digest(TOK)
     workers = [client.registry.admit(f"w{i}".encode(), m.Hello(
         m.PROTOCOL_VERSION, f"w{i}", "tiny", 256, 4096, 8, TOK), digest,
@@ -47,7 +47,7 @@ def test_a_request_with_no_answer_yet_moves_once_to_another_worker() -> None:
         assert sent[1][0] == second.identity
         client._drop_worker(second, "test")  # a second loss: no second retry
         assert isinstance(handle.events.get_nowait(), WorkerLost)
-        client._ctx.term()
+        client.link.close()
 
     asyncio.run(run())
 
@@ -60,7 +60,7 @@ def test_a_request_that_had_an_answer_fails_with_its_worker() -> None:
         assert isinstance(handle.events.get_nowait(), m.TokenOutput)
         client._drop_worker(handle.worker, "test")
         assert isinstance(handle.events.get_nowait(), WorkerLost)
-        client._ctx.term()
+        client.link.close()
 
     asyncio.run(run())
 
@@ -71,7 +71,7 @@ def test_each_send_carries_the_time_left_not_a_wall_clock_deadline() -> None:
         await client.submit("tiny", gen(), deadline=time.monotonic() + 30)
         msg = sent[0][1]
         assert msg.deadline is None and 29 < msg.timeout_s <= 30
-        client._ctx.term()
+        client.link.close()
 
     asyncio.run(run())
 
@@ -82,7 +82,7 @@ def test_a_worker_invented_finish_reason_is_bounded_before_it_becomes_a_label() 
         handle = await client.submit("tiny", gen(), deadline=None)
         await client._dispatch(handle.worker, m.TokenOutput("r1", 0, [5], "x" * 5000))
         assert handle.events.get_nowait().finish_reason == "abort"
-        client._ctx.term()
+        client.link.close()
 
     asyncio.run(run())
 
@@ -93,7 +93,7 @@ def test_a_peer_refused_again_and_again_is_logged_once_without_a_traceback(caplo
         bad = m.Hello(m.PROTOCOL_VERSION, "w-bad", "tiny", 256, 4096, 8,
                       m.TokenizerInfo("not json at all", None, None, None, [0]))
         for _ in range(50):
-            await client._on_hello(b"peer", [*codec.encode(bad)])
+            await client.membership.on_hello(b"peer", [*codec.encode(bad)])
         assert len(sent) == 50 and all(not msg.accepted for _, msg in sent)
 
     with caplog.at_level("DEBUG", logger="kestrel"):

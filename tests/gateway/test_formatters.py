@@ -55,7 +55,7 @@ def run(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
         await gen.start()
         events = [event async for event in gen.events()]
         assert engine.sent and isinstance(engine.sent[0], m.Generate)
-        client._ctx.term()
+        client.link.close()
         return FORMATTERS[route](req, gen), events
 
     return asyncio.run(go())

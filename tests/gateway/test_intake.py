@@ -45,7 +45,7 @@ def intake(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
     FakeEngine(client, smollm2_info, smollm2, max_model_len=200)
     yield Intake(GatewayConfig(max_prompt_chars=300, max_tokens_cap=100, default_timeout_s=20),
                  client, ServiceTimes())
-    client._ctx.term()
+    client.link.close()
 
 
 def read(intake: Intake, route: str, data: Any, arrival: float = 100.0) -> Draft:
@@ -149,4 +149,4 @@ def test_no_model_yet_is_a_503(smollm2_info: m.TokenizerInfo) -> None:
     with pytest.raises(APIError) as exc:
         Intake(GatewayConfig(), client, ServiceTimes()).model(None)
     assert exc.value.status == 503 and exc.value.code == "no_worker"
-    client._ctx.term()
+    client.link.close()

@@ -129,7 +129,7 @@ def test_one_token_has_no_tpot_and_no_worker_figure_no_queue_wait() -> None:
 def state() -> Iterator[GatewayState]:
     st = GatewayState(GatewayConfig())
     yield st
-    st.client._ctx.term()
+    st.client.link.close()
 
 
 def fake_gen(reasons: list[str | None], tokens: int = 3) -> Any:
