@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
@@ -38,11 +39,11 @@ class Admitter:
         self.accounting = accounting
         self.rejections = rejections
         self.draining = False
+        # The limit is read at each decision: by default it follows the workers that are ready.
+        fixed = cfg.max_outstanding
+        self.limit: Callable[[], int] = (lambda: fixed) if fixed else client.registry.capacity
         self.admission = Admission(self.limit, cfg.max_queue, DrainEstimator(),
-                                   workers=client.ready_worker_ids, cold_queue=self.limit)
-
-    def limit(self) -> int:
-        return self.cfg.max_outstanding or self.client.capacity()
+                                   workers=client.registry.ready_ids, cold_queue=self.limit)
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

@@ -100,13 +100,6 @@ class EngineClient:
     def ready(self) -> bool:
         return bool(self.ready_workers())
 
-    def capacity(self) -> int:
-        """Sequences the ready workers can run at once: the default admission limit."""
-        return sum(w.capacity for w in self.ready_workers())
-
-    def ready_worker_ids(self) -> list[str]:
-        return [w.hello.worker_id for w in self.ready_workers()]
-
     def load(self, model_id: str) -> list[tuple[str, int]]:
         """(worker id, sequences it runs for us now) for the ready workers of the model: our
         own count (each request's n), not the heartbeat's, which may be a second old."""
@@ -117,14 +110,6 @@ class EngineClient:
     def serves(self, model_id: str) -> bool:
         """Whether a ready (not draining) worker serves the model right now."""
         return bool(self.registry.candidates(model_id))
-
-    def model(self, name: str) -> ModelEntry | None:
-        """The model with this id, or with this alias (--served-model-name's later names)."""
-        models = self.registry.models
-        entry = models.get(name)
-        if entry is None:
-            entry = next((e for e in models.values() if name in e.hello.aliases), None)
-        return entry
 
     async def submit(self, model_id: str, gen: m.Generate,
                      deadline: float | None = None) -> RequestHandle:

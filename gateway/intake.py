@@ -107,6 +107,7 @@ class Intake:
         self.client = client
         self.service_times = service_times
         self.load = client.load  # (worker id, sequences it runs for us) of a model's workers
+        self.rendered_prompt_limit = cfg.rendered_prompt_limit
 
     async def read(self, route: str, request: Request, arrival: float) -> Draft:
         data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
@@ -122,14 +123,12 @@ class Intake:
                           else min(timeout, cfg.default_timeout_s))
 
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
-        body, cfg = draft.body, self.cfg
-        tool_plan = ToolPlan.from_request(body) if isinstance(body, ChatCompletionRequest) \
-            else None
-        body, chars, encode = self._prompt(body, tool_plan)
+        cfg = self.cfg
+        body, tool_plan, chars, encode = self._prompt(draft.body)
         if getattr(body, "logit_bias", None):
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
                            code="unsupported_parameter")
-        max_tokens = body.requested_max_tokens()
+        max_tokens, fields, stop = body.requested_max_tokens(), body.sampling(), body.stop_list()
         try:
             check_limits(chars, max_tokens, max_prompt_chars=cfg.max_prompt_chars,
                          max_tokens_cap=cfg.max_tokens_cap)
@@ -149,25 +148,26 @@ class Intake:
             raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
                            param="prompt", code="invalid_token_ids")
         params = self.sampling(model, len(ids), max_tokens, ROUTES[draft.route].default_max_tokens,
-                               draft.deadline, **body.sampling())
+                               draft.deadline, **fields)
         return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
-                             model, ids, params, body.stop_list(), grammar,
-                             cache_salt(key, body.cache_salt), tool_plan)
+                             model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
+                             tool_plan)
 
-    def _prompt(self, body: Any, tool_plan: ToolPlan | None) -> tuple[Any, int, Encode]:
-        """The body (a one-prompt batch unwrapped), the prompt's length in characters, and how
-        it becomes tokens."""
+    def _prompt(self, body: Any) -> tuple[Any, ToolPlan | None, int, Encode]:
+        """The body (a one-prompt batch unwrapped), a chat's tool plan, the prompt's length in
+        characters, and how it becomes tokens."""
         if isinstance(body, ChatCompletionRequest):
+            tool_plan = ToolPlan.from_request(body)
             # Tool calls and results become plain turns; tools go into the system message.
             messages = render_messages(body.messages, body.tools if tool_plan else None)
-            limit, timeout = self.cfg.rendered_prompt_limit, self.cfg.template_timeout_s
+            limit, timeout = self.rendered_prompt_limit, self.cfg.template_timeout_s
 
             def chat(tok: GatewayTokenizer) -> list[int]:
                 # max_prompt_chars counts the messages' text; the rendering is bounded too.
                 text = tok.apply_chat_template(messages, max_chars=limit, timeout_s=timeout)
                 return tok.encode(text, add_special_tokens=False)
 
-            return body, sum(len(msg["content"]) for msg in messages), chat
+            return body, tool_plan, sum(len(msg["content"]) for msg in messages), chat
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -176,20 +176,21 @@ class Intake:
             prompt = prompt[0]
             body = body.model_copy(update={"prompt": prompt})
         if isinstance(prompt, str):
-            return body, len(prompt), lambda tok: tok.encode(prompt)
-        return body, len(prompt), lambda tok: list(prompt)
+            return body, None, len(prompt), lambda tok: tok.encode(prompt)
+        return body, None, len(prompt), lambda tok: list(prompt)
 
     def model(self, name: str | None) -> ModelEntry:
         """The model asked for by id or alias; absent: the first one served."""
-        models = self.client.models
-        if not models:
+        registry = self.client.registry
+        if not registry.models:
             raise APIError(503, "no worker is ready yet", code="no_worker")
         if name is None or name == "":
-            return next(iter(models.values()))
-        entry = self.client.model(name)
+            return next(iter(registry.models.values()))
+        entry = registry.model(name)
         if entry is None:
             raise APIError(404, f"model {name!r} is not served here (served: "
-                           f"{', '.join(models)})", param="model", code="model_not_found")
+                           f"{', '.join(registry.models)})", param="model",
+                           code="model_not_found")
         return entry
 
     def sampling(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,

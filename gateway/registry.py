@@ -105,6 +105,20 @@ class Registry:
     def ready_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.ready and not w.draining]
 
+    def model(self, name: str) -> ModelEntry | None:
+        """The model with this id, or with this alias (--served-model-name's later names)."""
+        entry = self.models.get(name)
+        if entry is None:
+            entry = next((e for e in self.models.values() if name in e.hello.aliases), None)
+        return entry
+
+    def capacity(self) -> int:
+        """Sequences the ready workers can run at once: the default admission limit."""
+        return sum(w.hello.max_num_seqs for w in self.ready_workers())
+
+    def ready_ids(self) -> list[str]:
+        return [w.hello.worker_id for w in self.ready_workers()]
+
     def candidates(self, model_id: str, need_len: int = 0) -> list[WorkerState]:
         """Ready workers of the model whose own context fits `need_len` tokens."""
         return [w for w in self.ready_workers()

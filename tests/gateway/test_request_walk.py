@@ -41,7 +41,9 @@ from tests.gateway.fake_engine import FakeEngine
 GATEWAY_DIR = os.path.dirname(os.path.abspath(gateway.__file__)) + os.sep
 ROUTES_FILE = "routes.py"
 MAX_RETURNS = 10  # the route's walk
-FULL_WALK_RETURNS = 103  # the full walk: 112 before issue 24's refactor, 103 after
+# The full walk: 112 before issue 24's refactor, 89 after; three more are allowed because the
+# tokenizing thread's calls may interleave with the event loop's differently on a busy machine.
+FULL_WALK_RETURNS = 89 + 3
 
 
 def collapse(files: list[str]) -> list[str]:
