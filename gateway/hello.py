@@ -5,7 +5,7 @@
     build its tokenizer (thread; seconds for a large one) ──▶ refuse_reason again (another
     worker may have registered the model meanwhile) ──▶ Vetted, or a refusal reason
 
-The caller (gateway.engine_client) sends the Welcome or the refusal and admits the worker.
+The caller (gateway.membership) sends the Welcome or the refusal and admits the worker.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prometheus metrics for the whole system, scraped from the gateway in one namespace (`kestrel_`).
 
-    a request ends ──service.record()──▶ request counter, latency and length histograms, tokens
+    a request ends ──accounting.record()──▶ request counter, latency and length histograms, tokens
     worker heartbeat (Stats, every 0.25 s) ──▶ WorkerState.stats ──WorkerCollector, at scrape──▶
         per-worker gauges and counters, label `worker` (the gateway's opaque name for it)
     admission and the engine link ──set_function, at scrape──▶ waiting / in-flight / ready gauges
@@ -58,7 +58,7 @@ WORKER_COUNTERS: dict[str, tuple[str, str]] = {
 
 
 class WorkerView(Protocol):
-    """What the collector reads of a worker (gateway.engine_client.WorkerState)."""
+    """What the collector reads of a worker (gateway.registry.WorkerState)."""
 
     name: str  # the gateway's opaque "w<index>", never the worker's own id
     stats: m.Stats

@@ -125,7 +125,7 @@ async def request_grammar(body: Any, tools_lark: str | None = None) -> str | Non
         raise APIError(400, f"set only one of response_format, guided_*, structured_outputs and "
                        f"a tool_choice that calls tools (got {names})", param=sources[1][0],
                        code="invalid_value")
-    if getattr(body, "ignore_eos", False):
+    if body.ignore_eos:
         raise APIError(400, "ignore_eos cannot be combined with structured output: a finished "
                        "grammar allows only the end of the text", param="ignore_eos",
                        code="invalid_value")

@@ -16,6 +16,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    RequestBase,
     RequestLimitError,
     check_limits,
 )
@@ -119,6 +120,27 @@ def test_the_native_request_is_as_strict() -> None:
         "max_new_tokens"
     assert rejected(GenerateRequest, {"prompt": "hi", "stop": ""}).param == "stop"
     assert rejected(GenerateRequest, {"prompt": "hi", "seed": 2**70}).param == "seed"
+
+
+def test_one_base_carries_the_shared_sampling_fields_for_every_route() -> None:
+    shared = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "ignore_eos": True,
+              "speculative": False}
+    bodies = [CompletionRequest.model_validate({"prompt": "x", "max_tokens": 3, **shared}),
+              ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 3,
+                                                    **shared}),
+              GenerateRequest.model_validate({"prompt": "x", "max_new_tokens": 3, **shared})]
+    for body in bodies:
+        assert isinstance(body, RequestBase)
+        assert {k: body.sampling()[k] for k in shared} == shared
+        assert body.requested_max_tokens() == 3  # three spellings, one answer
+        assert body.sampling()["n"] == 1
+    assert not bodies[2].include_usage  # the native API has no stream_options
+    assert bodies[0].sampling()["logprobs"] is None and bodies[1].sampling()["logprobs"] is None
+    assert ChatCompletionRequest.model_validate(
+        {**CHAT, "logprobs": True}).sampling()["logprobs"] == 0
+    for cls in (CompletionRequest, ChatCompletionRequest, GenerateRequest):
+        own = set(vars(cls).get("__annotations__", {}))
+        assert not own & {*shared, "model", "stop", "timeout"}  # declared once, on the base
 
 
 # ---- the configured limits ----------------------------------------------------------------
