@@ -51,6 +51,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KESTREL_VNNI 1
 #define KESTREL_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#if defined(__AVX512BW__)
+#define KESTREL_ZMM 1  // two tiles (16 output rows) per 512-bit vector: tile2_chunk
+#endif
 constexpr const char* kIsa = "avx512vnni";
 #elif defined(__AVXVNNI__)
 #define KESTREL_VNNI 1
@@ -237,6 +240,100 @@ void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blo
   for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * n + col, out[r], valid * sizeof(float));
 }
 
+#if defined(KESTREL_ZMM)
+inline __m512i load2(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 load2(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+      _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// Two neighbouring tiles (16 output rows: tile t in lanes 0..7, t+1 in lanes 8..15) against R
+// activation rows with 512-bit dpbusd: each activation broadcast and each float step serves 16
+// rows. Per lane the same integer sums and float steps as tile_chunk, so the same bits.
+// q, dw, mw: tile t's; tile t+1's are `tile_bytes` / `tile_floats` further on.
+template <Fmt F, int R>
+void tile2_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blocks,
+                 const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
+                 int64_t valid) {
+  constexpr int64_t pb = packed_bytes(F);
+  const int64_t tile_bytes = blocks * pb, tile_floats = blocks * kTile;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = qs + b * pb;
+    const __m512 dwv = load2(dw + b * kTile, dw + tile_floats + b * kTile);
+    if constexpr (F == Fmt::Q8_0) {
+      __m512i wabs[8];
+      __mmask64 neg[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = load2(wb + 32 * j, wb + tile_bytes + 32 * j);
+        wabs[j] = _mm512_abs_epi8(w);
+        neg[j] = _mm512_movepi8_mask(w);  // AVX512 has no sign_epi8: negate x where w < 0
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * k + b * kBlock;
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq + 4 * j, 4);
+          std::memcpy(&x1, xq + 4 * j + 4, 4);
+          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+          i0 = _mm512_dpbusd_epi32(i0, wabs[j], _mm512_mask_sub_epi8(b0, neg[j], zero, b0));
+          i1 = _mm512_dpbusd_epi32(i1, wabs[j + 1],
+                                   _mm512_mask_sub_epi8(b1, neg[j + 1], zero, b1));
+        }
+        const __m512i isum = _mm512_add_epi32(i0, i1);
+        const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(a.d[row * blocks + b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+      }
+    } else {
+      __m512i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = load2(wb + 32 * j, wb + tile_bytes + 32 * j);
+        lo[j] = _mm512_and_si512(v, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      __m512 mv = _mm512_setzero_ps();
+      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + tile_floats + b * kTile);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * k + b * kBlock;
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xq + 4 * j, 4);
+          std::memcpy(&xh, xq + 16 + 4 * j, 4);
+          i0 = _mm512_dpbusd_epi32(i0, lo[j], _mm512_set1_epi32(xl));
+          i1 = _mm512_dpbusd_epi32(i1, hi[j], _mm512_set1_epi32(xh));
+        }
+        __m512i isum = _mm512_add_epi32(i0, i1);
+        const int64_t ab = row * blocks + b;
+        if constexpr (F == Fmt::Q4_0) {
+          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * a.sum[ab]));
+        }
+        const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(a.d[ab]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+        if constexpr (F == Fmt::Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+      }
+    }
+  }
+  float out[kTile * 2];
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out, acc[r]);
+    std::memcpy(y + (r0 + r) * n + col, out, valid * sizeof(float));
+  }
+}
+#endif
+
 template <Fmt F>
 at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                    const c10::optional<at::Tensor>& m, int64_t n) {
@@ -280,11 +377,33 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t pb = packed_bytes(F);
-  at::parallel_for(0, tiles, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
+  // work items: pairs of tiles where 512-bit vectors hold two, single tiles otherwise
+#if defined(KESTREL_ZMM)
+  constexpr int64_t per_item = 2;
+#else
+  constexpr int64_t per_item = 1;
+#endif
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  at::parallel_for(0, items, 8 / per_item, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t t = item * per_item;
       const uint8_t* tq = qp + t * blocks * pb;
       const float* td = dp + t * blocks * kTile;
       const float* tm = mp ? mp + t * blocks * kTile : nullptr;
+#if defined(KESTREL_ZMM)
+      if (t + 1 < tiles) {
+        const int64_t col = t * kTile, valid = std::min(2 * kTile, n - col);
+        for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+          switch (std::min<int64_t>(kChunk, rows - r0)) {
+            case 1: tile2_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+            case 2: tile2_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+            case 3: tile2_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+            default: tile2_chunk<F, 4>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
+          }
+        }
+        continue;
+      }
+#endif
       const int64_t col = t * kTile, valid = std::min(kTile, n - col);
       for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
         switch (std::min<int64_t>(kChunk, rows - r0)) {

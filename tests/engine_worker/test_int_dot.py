@@ -8,6 +8,7 @@ Runs under `make test` (native) and `make test-avx2` (KESTREL_CPU_ISA=avx2 build
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from pathlib import Path
 
@@ -112,10 +113,13 @@ def test_kernel_equals_q8_reference(kernel: None, fmt: str, n: int, k: int, rows
 
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
 def test_row_result_does_not_depend_on_the_batch(kernel: None, fmt: str) -> None:
-    n, k = 100, 160
-    p = int_dot.pack(fmt, _weights(fmt, n, k), n, k)
+    n, k = 108, 160  # 14 tiles of 8 rows, the last one partial
+    raw = _weights(fmt, n, k)
+    p = int_dot.pack(fmt, raw, n, k)
     x = _x(16, k, 5)
     full = int_dot.mm(p, x)
+    err = (full.double() - int_dot.reference_mm(fmt, x, raw, n, k)).abs()
+    assert err.max() <= 1e-4 * full.abs().max()
     for lo, hi in ((0, 1), (3, 4), (5, 12), (15, 16)):
         assert torch.equal(int_dot.mm(p, x[lo:hi].contiguous()), full[lo:hi])
 
@@ -172,3 +176,36 @@ def test_isa_is_the_capped_one(kernel: None) -> None:
     else:
         want = "scalar"
     assert int_dot.isa() == want
+
+
+def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF bytes straight from numpy (codes over their whole range, Q8_0's -128 too,
+    scales small fp16): no quantizer in between whose rounding could change."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // 32, int_dot.BLOCK_BYTES[fmt]), dtype=np.uint8)
+    b[..., :2] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "q4_1":
+        b[..., 2:4] = rng.uniform(-0.5, 0, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+# sha256 of y's bytes, the same for every build: checked equal from AVX512-VNNI, AVX2
+# (-march=x86-64-v3 and v4) and scalar (-march=x86-64) builds of csrc/int_dot.cpp
+GOLDEN = {
+    "q4_0": "a83cdec324a893163a3c90aa8b61f3ab13c486582b2474e521662271fab47c76",
+    "q4_1": "43e0736a4e429a57726eb45f15a719a674c5ce4886f75ed5f14137f0bd963b29",
+    "q8_0": "a28451875965f3ca62fddb009702803f5d47acd129d3ef1163dea5f6686fd597",
+}
+
+
+@pytest.mark.parametrize("fmt", int_dot.FORMATS)
+def test_same_bits_on_every_isa(kernel: None, fmt: str) -> None:
+    """Integer sums are exact and every path takes the same float steps per output: the result's
+    bytes are fixed, whichever instructions this host's build uses. n = 200: 25 tiles, so the
+    two-tile 512-bit path and its one-tile remainder both run."""
+    n, k = 200, 96
+    raw = _random_blocks(fmt, n, k, 11)
+    x = torch.from_numpy(np.random.default_rng(12).standard_normal((5, k)).astype(np.float32))
+    y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
+    assert (y.double() - int_dot.reference_mm(fmt, x, raw, n, k)).abs().max() < 1e-3
+    assert hashlib.sha256(y.numpy().tobytes()).hexdigest() == GOLDEN[fmt], int_dot.isa()
