@@ -119,8 +119,8 @@ def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
 
 
 @cache
-def _load(cache_dir: str) -> None:
-    load_kernel("int_dot", cache_dir, "int_dot_q4_0", seconds=30)
+def _register_fake() -> None:
+    """Shape-only versions for torch.compile: once per process, whichever cache dir built it."""
 
     @torch.library.register_fake("kestrel::int_dot_q4_0")
     def _fake_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
@@ -143,7 +143,8 @@ def load(cache_dir: str | Path | None = None) -> None:
         from engine_worker.config import cache_dir_from_env
 
         cache_dir = cache_dir_from_env()
-    _load(str(cache_dir))
+    load_kernel("int_dot", str(cache_dir), "int_dot_q4_0", seconds=30)
+    _register_fake()
 
 
 def isa() -> str:

@@ -209,3 +209,12 @@ def test_same_bits_on_every_isa(kernel: None, fmt: str) -> None:
     y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
     assert (y.double() - int_dot.reference_mm(fmt, x, raw, n, k)).abs().max() < 1e-3
     assert hashlib.sha256(y.numpy().tobytes()).hexdigest() == GOLDEN[fmt], int_dot.isa()
+
+
+@pytest.mark.parametrize("fmt", int_dot.FORMATS)
+def test_ops_pass_torch_opcheck(kernel: None, fmt: str) -> None:
+    """Schema, shape-only (fake) version for torch.compile, and dispatch registrations."""
+    p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
+    x = _x(3, 64, 0)
+    args = (x, p.qs, p.d, p.m, p.n) if fmt == "q4_1" else (x, p.qs, p.d, p.n)
+    torch.library.opcheck(getattr(torch.ops.kestrel, f"int_dot_{fmt}").default, args)
