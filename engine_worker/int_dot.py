@@ -5,7 +5,7 @@ Data flow:
 
     GGUF block bytes, uint8 (N, K/32 * block bytes)
       -> pack_q4_0 / pack_q4_1 / pack_q8_0 (once, at load): 8 output rows interleaved per block
-         of 32 inputs, scales as float32, N padded to a multiple of 8 -> Packed
+         of 32 inputs, scales kept fp16, N padded to a multiple of 8 -> Packed
       -> mm(packed, x): x (M <= 16, K) float32 is quantized once per call to Q8 blocks (int8
          codes, float32 scale amax/127, code sums for Q4_1's offset) and meets every output row
          in integer dot products (AVX512-VNNI / AVX-VNNI / AVX2 / scalar, fixed when the kernel is
@@ -43,7 +43,8 @@ __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load"
 
 class Packed(NamedTuple):
     """One weight matrix in the kernel's layout (see csrc/int_dot.cpp). T = ceil(N/8), B = K/32.
-    qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for Q8_0; d, m: float32 (T, B, 8)."""
+    qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for Q8_0; d, m: float16 (T, B, 8), the
+    GGUF's own scales (the kernel converts them exactly; fp16 streams fewer bytes at one row)."""
 
     fmt: str
     n: int
@@ -68,8 +69,8 @@ def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.T
 
 
 def _half(b: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte offset `at` of each block, as float32 (N, B)."""
-    return b[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
+    """The fp16 at byte offset `at` of each block: float16 (N, B)."""
+    return b[..., at:at + 2].contiguous().view(torch.float16)[..., 0]
 
 
 def _tiles(t: torch.Tensor, n: int) -> torch.Tensor:

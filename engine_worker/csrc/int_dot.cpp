@@ -15,9 +15,9 @@
 //   Q4_0 / Q4_1: qs uint8 (T, B, 128): 4 vectors of 32 bytes per (tile, block); in vector j,
 //     bytes 4i..4i+3 are bytes 4j..4j+3 of row i's GGUF nibbles, so the low nibbles are its
 //     elements 4j..4j+3 and the high nibbles elements 16+4j..16+4j+3.
-//     d float32 (T, B, 8) (and for Q4_1 m float32 (T, B, 8)); w = d*(q-8) (Q4_0), d*q + m (Q4_1).
+//     d float16 (T, B, 8) (and for Q4_1 m float16 (T, B, 8)); w = d*(q-8) (Q4_0), d*q + m (Q4_1).
 //   Q8_0: qs int8 (T, B, 256): 8 vectors of 32 bytes; in vector j, bytes 4i..4i+3 are row i's
-//     codes 4j..4j+3. d float32 (T, B, 8); w = d*q.
+//     codes 4j..4j+3. d float16 (T, B, 8), the GGUF's own scales; w = d*q.
 // So one 32-bit lane of a vector holds 4 consecutive inputs of one output row: a dot of 4 bytes
 // per lane (maddubs+madd, or dpbusd) against the activation's 4 matching codes broadcast to all
 // lanes leaves lane i holding row i's partial sum, with no horizontal reduction.
@@ -45,7 +45,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KESTREL_SIMD 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -116,10 +116,20 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
   }
 }
 
+// The weights' scales stay fp16 as in the GGUF (fewer bytes to stream at one row); the
+// conversion to float32 is exact, so the paths still agree to the bit.
+inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+#if defined(KESTREL_SIMD)
+inline __m256 load8h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 // One tile (8 output rows) against R activation rows: writes y[r, col .. col+valid).
 // qs: the tile's packed bytes (B * packed_bytes); dw, mw: the tile's (B, 8) scales / offsets.
 template <Fmt F, int R>
-void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blocks,
+void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
                 const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
                 int64_t valid) {
   constexpr int64_t pb = packed_bytes(F);
@@ -133,7 +143,7 @@ void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blo
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
-    const __m256 dwv = _mm256_loadu_ps(dw + b * kTile);
+    const __m256 dwv = load8h(dw + b * kTile);
     if constexpr (F == Fmt::Q8_0) {
       __m256i wabs[8], w[8];
       for (int j = 0; j < 8; ++j) {
@@ -201,7 +211,7 @@ void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blo
         const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[ab]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
         if constexpr (F == Fmt::Q4_1) {
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kTile), _mm256_set1_ps(a.s[ab]),
+          acc[r] = _mm256_fmadd_ps(load8h(mw + b * kTile), _mm256_set1_ps(a.s[ab]),
                                    acc[r]);
         }
       }
@@ -231,8 +241,11 @@ void tile_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blo
             }
           if constexpr (F == Fmt::Q4_0) isum -= 8 * a.sum[ab];
         }
-        out[r][i] = std::fma(static_cast<float>(isum), dw[b * kTile + i] * a.d[ab], out[r][i]);
-        if constexpr (F == Fmt::Q4_1) out[r][i] = std::fma(mw[b * kTile + i], a.s[ab], out[r][i]);
+        out[r][i] = std::fma(static_cast<float>(isum), h2f(dw[b * kTile + i]) * a.d[ab],
+                             out[r][i]);
+        if constexpr (F == Fmt::Q4_1) {
+          out[r][i] = std::fma(h2f(mw[b * kTile + i]), a.s[ab], out[r][i]);
+        }
       }
     }
   }
@@ -247,29 +260,29 @@ inline __m512i load2(const uint8_t* a, const uint8_t* b) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
-inline __m512 load2(const float* a, const float* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(
-      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
-      _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 float32
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
 // Two neighbouring tiles (16 output rows: tile t in lanes 0..7, t+1 in lanes 8..15) against R
 // activation rows with 512-bit dpbusd: each activation broadcast and each float step serves 16
 // rows. Per lane the same integer sums and float steps as tile_chunk, so the same bits.
-// q, dw, mw: tile t's; tile t+1's are `tile_bytes` / `tile_floats` further on.
+// q, dw, mw: tile t's; tile t+1's are `tile_bytes` / `tile_scales` further on.
 template <Fmt F, int R>
-void tile2_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t blocks,
+void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
                  const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
                  int64_t valid) {
   constexpr int64_t pb = packed_bytes(F);
-  const int64_t tile_bytes = blocks * pb, tile_floats = blocks * kTile;
+  const int64_t tile_bytes = blocks * pb, tile_scales = blocks * kTile;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
-    const __m512 dwv = load2(dw + b * kTile, dw + tile_floats + b * kTile);
+    const __m512 dwv = load2(dw + b * kTile, dw + tile_scales + b * kTile);
     if constexpr (F == Fmt::Q8_0) {
       __m512i wabs[8];
       __mmask64 neg[8];
@@ -303,7 +316,7 @@ void tile2_chunk(const uint8_t* qs, const float* dw, const float* mw, int64_t bl
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
       __m512 mv = _mm512_setzero_ps();
-      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + tile_floats + b * kTile);
+      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + tile_scales + b * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
@@ -357,24 +370,24 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
               ", ", blocks, ", ", packed_bytes(F), ") CPU tensor for n = ", n, ", K = ", k,
               ", got ", qs.scalar_type(), " of shape ", qs.sizes());
   auto check_scales = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() &&
                     t.dim() == 3 && t.size(0) == tiles && t.size(1) == blocks &&
                     t.size(2) == kTile,
-                "int_dot_", name, ": ", what, " must be a contiguous float32 (", tiles, ", ",
+                "int_dot_", name, ": ", what, " must be a contiguous float16 (", tiles, ", ",
                 blocks, ", 8) CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes());
   };
   check_scales(d, "d");
-  const float* mp = nullptr;
+  const uint16_t* mp = nullptr;
   if constexpr (F == Fmt::Q4_1) {
     TORCH_CHECK(m.has_value(), "int_dot_q4_1: m is required");
     check_scales(*m, "m");
-    mp = m->data_ptr<float>();
+    mp = static_cast<const uint16_t*>(m->data_ptr());
   }
   QAct a;
   quantize_rows(x.data_ptr<float>(), rows, k, a);
   at::Tensor y = at::empty({rows, n}, x.options());
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
-  const float* dp = d.data_ptr<float>();
+  const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
   float* yp = y.data_ptr<float>();
   constexpr int64_t pb = packed_bytes(F);
   // work items: pairs of tiles where 512-bit vectors hold two, single tiles otherwise
@@ -388,8 +401,8 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t t = item * per_item;
       const uint8_t* tq = qp + t * blocks * pb;
-      const float* td = dp + t * blocks * kTile;
-      const float* tm = mp ? mp + t * blocks * kTile : nullptr;
+      const uint16_t* td = dp + t * blocks * kTile;
+      const uint16_t* tm = mp ? mp + t * blocks * kTile : nullptr;
 #if defined(KESTREL_ZMM)
       if (t + 1 < tiles) {
         const int64_t col = t * kTile, valid = std::min(2 * kTile, n - col);
