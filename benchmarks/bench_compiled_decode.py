@@ -20,25 +20,28 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import engine_worker
-from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 
 KESTREL_CACHE = Path.home() / ".cache" / "kestrel"
 
 
 def load(args: argparse.Namespace, cache: Path) -> tuple[ModelRunner, float]:
-    path = resolve_checkpoint(args.model, KESTREL_CACHE)
-    dtype, gguf = resolve_dtype(args.dtype, args.model, "none", path)
+    most = max(batches(args))
+    cfg = RunnerConfig.from_settings(args.model, dtype=args.dtype, kv_cache_mb=1024,
+                                     threads=args.threads or 0, compile="decode",
+                                     max_num_seqs=most, max_num_batched_tokens=max(512, most),
+                                     cache_dir=str(KESTREL_CACHE))
     t0 = time.monotonic()
-    runner = ModelRunner(path, dtype=getattr(torch, dtype), gguf_path=gguf,
-                         kv_budget_bytes=1 << 30, num_threads=args.threads,
-                         compile_mode="decode", max_num_seqs=max(batches(args)),
-                         cache_dir=cache)
+    # the checkpoint from the usual cache, the compiled graphs in this run's own
+    runner = ModelRunner(replace(cfg, cache_dir=cache))
     return runner, time.monotonic() - t0
 
 

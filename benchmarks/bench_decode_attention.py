@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 
 
 def set_grouped(runner: ModelRunner, on: bool) -> None:
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
-    runner = ModelRunner(a.model, kv_budget_bytes=768 << 20, block_size=16)
+    runner = ModelRunner(RunnerConfig.from_settings(a.model, dtype="float32", kv_cache_mb=768))
     for b in a.batch:
         bench(runner, b, a.ctx, a.rounds, a.steps, a.profile)
 

@@ -33,13 +33,13 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def row_ours(path: Path, batch: int, prompt: int, new: int) -> float:
-    import torch
 
     from engine_worker.engine import Engine
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
     from protocol import messages as m
 
-    runner = ModelRunner(path, dtype=torch.float32, kv_budget_bytes=1 << 30)
+    runner = ModelRunner(RunnerConfig.from_settings(path, dtype="float32", kv_cache_mb=1024))
     engine = Engine(runner, max_num_seqs=max(16, batch), max_num_batched_tokens=2048)
     params = m.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     warm = m.Generate("warm", _prompts(1, 16)[0], m.SamplingParams(max_tokens=4, temperature=0))
@@ -76,11 +76,11 @@ def row_hf(path: Path, batch: int, prompt: int, new: int) -> float:
 
 
 def row_nokv(path: Path, batch: int, prompt: int, new: int) -> float:
-    import torch
 
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
 
-    runner = ModelRunner(path, dtype=torch.float32, kv_budget_bytes=256 << 20)
+    runner = ModelRunner(RunnerConfig.from_settings(path, dtype="float32", kv_cache_mb=256))
     ids = _prompts(1, prompt)[0]
     start = time.perf_counter()
     for _ in range(new):

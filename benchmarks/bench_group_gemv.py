@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.config import cache_dir_from_env
-from engine_worker.quant_group import Int8GroupLinear, load_group_gemv
+from engine_worker.model.quant_group import Int8GroupLinear, load_group_gemv
 
 
 def best_us(fn: object, reps: int) -> float:

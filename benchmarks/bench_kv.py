@@ -20,8 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_worker.config import cache_dir_from_env  # noqa: E402
-from engine_worker.model.loader import resolve_checkpoint  # noqa: E402
-from engine_worker.model_runner import ModelRunner, StepItem  # noqa: E402
+from engine_worker.model_runner import ModelRunner  # noqa: E402
+from engine_worker.runner_config import RunnerConfig  # noqa: E402
+from engine_worker.step import StepItem  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +36,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = cache_dir_from_env()
-    runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=512 << 20)
+    runner = ModelRunner(RunnerConfig.from_settings(args.model, dtype="float32", kv_cache_mb=512,
+                                                    cache_dir=str(cache)))
     lengths = [int(x) for x in args.lengths.split(",")]
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -24,9 +24,10 @@ from collections.abc import Callable
 import torch
 
 from engine_worker.config import cache_dir_from_env
-from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
 from engine_worker.paged_attention import paged_decode_attention
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, list]:
@@ -141,13 +142,12 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     cache = cache_dir_from_env()
-    path = resolve_checkpoint(a.model, cache)
     print(f"threads {torch.get_num_threads()}, ctx ~{a.ctx} (ragged -63), "
           f"{a.rounds} interleaved rounds")
     for dtype_flag in a.dtype:
-        dtype, gguf = resolve_dtype(dtype_flag, a.model, "none", path)
-        runner = ModelRunner(path, dtype=getattr(torch, dtype), gguf_path=gguf,
-                             kv_budget_bytes=768 << 20, block_size=16, cache_dir=cache)
+        runner = ModelRunner(RunnerConfig.from_settings(a.model, dtype=dtype_flag,
+                                                        kv_cache_mb=768, cache_dir=str(cache)))
+        dtype, gguf = runner.dtype_name, runner.runner_config.gguf_path
         if not runner.paged_attention.enabled:
             raise SystemExit(f"kernel unavailable: {runner.paged_attention.reason}")
         print(f"--dtype {dtype_flag} ({'GGUF-native' if gguf else dtype} weights, "

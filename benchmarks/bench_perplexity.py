@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine_worker.config import cache_dir_from_env
     from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
     cache = cache_dir_from_env()
     folder = resolve_checkpoint("default", cache)
     if args.text:
@@ -111,12 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     ref = None
     for mode in args.modes.split(","):
-        kw: dict[str, object] = {"kv_budget_bytes": 256 << 20}
-        if mode == "gguf":
-            kw["gguf_path"] = embedded_gguf_path()
-        elif mode in ("int8", "int4"):
-            kw["quantization"] = mode
-        runner = ModelRunner(folder, **kw)  # type: ignore[arg-type]
+        # gguf: the embedded file's own blocks; int8/int4: the float weights quantized
+        dtype = "auto" if mode == "gguf" else "float32"
+        quant = mode if mode in ("int8", "int4") else "none"
+        runner = ModelRunner(RunnerConfig.from_settings("default", dtype=dtype, quantization=quant,
+                                                        kv_cache_mb=256, cache_dir=str(cache)))
         with torch.inference_mode():
             ppl = perplexity(runner, ids, args.window, half)
         ref = ppl if ref is None else ref

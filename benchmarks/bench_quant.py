@@ -80,7 +80,7 @@ def perplexity(runner, ids: list[int]) -> float:  # type: ignore[no-untyped-def]
 def decode_tps(runner, batch: int, prompt: int, steps: int) -> float:  # type: ignore[no-untyped-def]
     import torch
 
-    from engine_worker.model_runner import StepItem
+    from engine_worker.step import StepItem
 
     nblk = -(-(prompt + steps + 2) // runner.block_size)  # + 2 warm-up steps
     tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]
@@ -103,8 +103,8 @@ def tiny_errors(checkpoint: Path, dtype_name: str, mode: str, group: int) -> tup
 
     from engine_worker.model.llama import AttnMeta, PrefillSpan
     from engine_worker.model.loader import load_model
+    from engine_worker.model.quant import quantize_model
     from engine_worker.model.tiny import make_tiny_checkpoint
-    from engine_worker.quant import quantize_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp), seed=0, num_layers=4, hidden_size=256,
@@ -143,16 +143,15 @@ def row(
     if threads:
         torch.set_num_threads(threads)
 
-    from engine_worker.model.loader import resolve_checkpoint
+    from engine_worker.model.quant import quantize_model, weight_bytes
     from engine_worker.model_runner import ModelRunner
-    from engine_worker.quant import quantize_model, weight_bytes
+    from engine_worker.runner_config import RunnerConfig
 
     dtype, mode, group = CONFIGS[name]
-    from engine_worker.config import cache_dir_from_env
-    cache = cache_dir_from_env()
-    path = resolve_checkpoint(model, cache)
-    runner = ModelRunner(path, dtype=getattr(torch, dtype), kv_budget_bytes=256 << 20,
-                         max_model_len=2048)
+    # float weights, quantized below (timed apart from the load)
+    runner = ModelRunner(RunnerConfig.from_settings(model, dtype=dtype, kv_cache_mb=256,
+                                                    max_model_len=2048))
+    path = runner.runner_config.model_path
     quantize_model(runner.model, mode, group)
     gc.collect()
     try:  # hand the freed float weights back to the OS, so "RSS after" shows what is kept

@@ -17,7 +17,9 @@ import torch
 from engine_worker.config import cache_dir_from_env
 from engine_worker.model.loader import resolve_checkpoint
 from engine_worker.model_runner import ModelRunner
-from engine_worker.sampler import Sampler, SamplerInput, make_generator
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.sampler import Sampler, make_generator
+from engine_worker.step import SamplerInput
 from protocol.messages import SamplingParams
 
 
@@ -47,7 +49,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = cache_dir_from_env()
-    runner = ModelRunner(resolve_checkpoint(args.model, cache), kv_budget_bytes=64 << 20)
+    runner = ModelRunner(RunnerConfig.from_settings(args.model, dtype="float32", kv_cache_mb=64,
+                                                    cache_dir=str(cache)))
     # Real text, so the next-token distributions are a served model's, not a random prompt's.
     from benchmarks.bench_speculative import TEXT, chat_ids
 

@@ -25,16 +25,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine_worker.config import cache_dir_from_env
-from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model.loader import resolve_checkpoint, tokenizer_info
 from engine_worker.model_runner import ModelRunner
-from engine_worker.speculative import NgramProposer, SpecDecoder
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.speculative.decoder import SpecDecoder
+from engine_worker.speculative.draft import DraftModelProposer
+from engine_worker.speculative.ngram import NgramProposer
 from protocol import messages as m
 
 TEXT = (
@@ -133,13 +136,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cache = cache_dir_from_env()
     path = resolve_checkpoint(args.model, cache)
-    runner = ModelRunner(path, kv_budget_bytes=256 << 20)
+    cfg = RunnerConfig.from_settings(args.model, dtype="float32", kv_cache_mb=256,
+                                     cache_dir=str(cache))
+    runner = ModelRunner(cfg)
     modes = args.modes.split(",")
     draft = None
     if "draft" in modes:
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
             args.draft, cache)
-        draft = ModelRunner(dpath, kv_budget_bytes=128 << 20)
+        draft = ModelRunner(replace(cfg.for_draft(dpath), kv_budget_bytes=128 << 20))
 
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":

@@ -112,6 +112,7 @@ def main() -> None:
     from engine_worker.grammar import GrammarCompiler
     from engine_worker.model.loader import resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
     from gateway.structured import json_grammar
 
     path = resolve_checkpoint(args.model, Path(default_cache_dir()))
@@ -122,7 +123,8 @@ def main() -> None:
         fill, med, p90, n = mask_cost(path, b)
         print(f"| {b} | {fill:.0f} | {med:.0f} | {p90:.0f} | {n} |")
 
-    runner = ModelRunner(path, dtype=torch.float32, kv_budget_bytes=1 << 30)
+    runner = ModelRunner(RunnerConfig.from_settings(path, dtype="float32", kv_cache_mb=1024,
+                                                    cache_dir=default_cache_dir()))
     compiler = GrammarCompiler((path / "tokenizer.json").read_text(), runner.config.vocab_size,
                                list(runner.config.eos_token_ids))
     engine = Engine(runner, max_num_seqs=32, max_num_batched_tokens=2048,

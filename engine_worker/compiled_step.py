@@ -33,18 +33,17 @@ import time
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from engine_worker.kv_cache import KVCache
 from engine_worker.model.llama import AttnMeta
-
-if TYPE_CHECKING:
-    from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.step import StepItem
 
 log = logging.getLogger("kestrel.compile")
 
-COMPILE_MODES = ("off", "decode")
 MIN_CONTEXT = 256  # tokens: the smallest context bucket
 
 
@@ -90,10 +89,23 @@ def compiler_available() -> bool:
         return False
 
 
+class StepRunner(Protocol):
+    """What a compiled step reads of its runner (engine_worker/model_runner.py)."""
+
+    model: nn.Module
+    kv_cache: KVCache
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    scratch_block: int
+
+    def check(self, item: StepItem) -> None: ...
+
+
 class CompiledDecode:
     """Bucketed compiled decode graphs over one runner's model and KV cache."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, cache_dir: Path,
+    def __init__(self, runner: StepRunner, max_num_seqs: int, cache_dir: Path,
                  options: dict[str, object] | None = None, kernel_rows: int = 0) -> None:
         """kernel_rows: the row count from which layers switch kernels (GGUF-native layers'
         dense_min_rows; 0: none). It is made a batch bucket edge: a batch below it is never
@@ -187,7 +199,7 @@ class CompiledDecode:
     def run(self, items: list[StepItem]) -> torch.Tensor:
         """logits (B, V) float32 for one-token decodes (`supports(items)` must hold)."""
         for it in items:
-            self.runner._check(it)
+            self.runner.check(it)
         packed, bp, nblk = self.pack(items)
         if (bp, nblk) not in self.compiled:
             self._note_compile(bp, nblk, lambda: self._fn(packed, bp, nblk))

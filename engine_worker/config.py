@@ -15,7 +15,13 @@ QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PAGED_ATTENTION_MODES = ("auto", "gather")
-COMPILE_MODES = ("off", "decode")  # same tuple as engine_worker.compiled_step (no torch here)
+COMPILE_MODES = ("off", "decode")  # the runner's decode paths: eager, or compiled one-token steps
+
+
+def check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
+    """Raise ValueError unless `value` is one of `choices`: a setting checked once, at start."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, not {value!r}")
 
 
 def default_cache_dir() -> str:
@@ -104,18 +110,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.gateway_address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"gateway_address must be a ZeroMQ address: {self.gateway_address!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
-                             f"not {self.quantization!r}")
-        if self.paged_attention not in PAGED_ATTENTION_MODES:
-            raise ValueError(f"paged_attention must be one of {PAGED_ATTENTION_MODES}, "
-                             f"not {self.paged_attention!r}")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, not {self.compile!r}")
-        if self.quant_group_size not in QUANT_GROUP_SIZES:
-            raise ValueError(f"quant_group_size must be one of {QUANT_GROUP_SIZES}")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
+        check_choice("compile", self.compile, COMPILE_MODES)
+        check_choice("quant_group_size", self.quant_group_size, QUANT_GROUP_SIZES)
+        check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
         positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -133,9 +133,6 @@ class WorkerConfig:
         for name in ("link_secret_key", "link_gateway_key"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
-                             f"not {self.speculative_method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if (self.speculative_method == "draft") != bool(self.draft_model):

@@ -6,7 +6,7 @@ accept -> update.
     chunks ──ModelRunner.execute()──▶ logits (one row per chunk; every position of a draft chunk)
     logits ──Sampler / SpecDecoder.accept()──▶ tokens ──Scheduler.update()──▶ TokenOutput
 
-Per-request state lives on the sequences (generator, first-scheduled time, proposer state); the
+Per-request state lives on the sequences (generator, first-scheduled time, speculation state); the
 engine keeps only which sequences make up which request, and its deadline. The engine is
 single-threaded and owned by the worker's main loop; it never touches a socket.
 """
@@ -22,11 +22,12 @@ import torch
 from engine_worker.block_manager import BlockManager
 from engine_worker.grammar import GrammarCompiler, GrammarMatcher, advance_all
 from engine_worker.logprobs import logprob_entries
-from engine_worker.model_runner import ModelRunner, StepItem
-from engine_worker.sampler import Sampler, SamplerInput, make_generator
-from engine_worker.scheduler import ScheduledChunk, Scheduler
+from engine_worker.model_runner import ModelRunner
+from engine_worker.sampler import Sampler, make_generator
+from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
-from engine_worker.speculative import SpecDecoder
+from engine_worker.speculative.decoder import SpecDecoder
+from engine_worker.step import SamplerInput, ScheduledChunk, StepItem
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.engine")
@@ -49,15 +50,13 @@ class Engine:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
-        eos_token_ids: list[int] | None = None,
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           enable_prefix_caching=enable_prefix_caching)
-        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None
-                                  else runner.config.eos_token_ids)
+        self.eos_token_ids = list(runner.config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

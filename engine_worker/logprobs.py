@@ -7,20 +7,15 @@ top-k/top-p (the documented choice, see sampler.py), for plain and speculative s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine_worker.sampler import SampleResult, SamplerInput
+from engine_worker.step import SampleResult, SamplerInput
 
 
 def with_logprobs(
     tokens: list[int], raw_lp: torch.Tensor, want: list[int], inputs: list[SamplerInput]
 ) -> list[SampleResult]:
     """Results, with the raw logprobs of the chosen token and the k best for rows that asked."""
-    from engine_worker.sampler import SampleResult  # the sampler imports this module
-
     device = raw_lp.device
     chosen_ids = torch.tensor([tokens[i] for i in want], device=device)  # (L,)
     chosen = raw_lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()  # (L,)

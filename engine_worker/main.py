@@ -22,7 +22,6 @@ from typing import Any
 from common.jsonlog import setup_logging
 from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
-from engine_worker.memory_budget import kv_budget_bytes
 from engine_worker.naming import served_names
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
@@ -191,14 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_settings(WorkerConfig, argv, prog="kestrel-worker",
                          description="Kestrel engine worker: owns a model, joins a gateway.")
     setup_logging(cfg.log_level)
-    import torch
-
     from engine_worker.engine import Engine
-    from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     stop = threading.Event()
 
     def on_term(signum: int, _frame: Any) -> None:
@@ -209,26 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
 
     started = time.monotonic()
-    checkpoint = resolve_checkpoint(cfg.model, Path(cfg.cache_dir))
-    dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
-    runner = ModelRunner(
-        checkpoint,
-        dtype=getattr(torch, dtype),
-        gguf_path=gguf,
-        dense_min_rows=cfg.dense_min_rows,
-        device=cfg.device,
-        kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len or None,
-        quantization=cfg.quantization,
-        group_size=cfg.quant_group_size,
-        paged_attention=cfg.paged_attention,
-        compile_mode=cfg.compile,
-        max_num_seqs=cfg.max_num_seqs,
-        cache_dir=Path(cfg.cache_dir),
-    )
+    runner = ModelRunner(RunnerConfig.from_worker(cfg))
+    checkpoint = runner.runner_config.model_path
     from engine_worker.grammar import GrammarCompiler
-    from engine_worker.speculative import build_spec_decoder
+    from engine_worker.speculative.build import build_spec_decoder
 
     grammars = GrammarCompiler((checkpoint / "tokenizer.json").read_text(encoding="utf-8"),
                                runner.config.vocab_size, list(runner.config.eos_token_ids))

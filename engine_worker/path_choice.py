@@ -1,6 +1,6 @@
 """Which compute path GGUF-native layers take on this host, chosen by measuring, not assumed.
 
-    ModelRunner(gguf_path, dense_min_rows=AUTO)
+    RunnerConfig(gguf_path=..., dense_min_rows=AUTO) -> build_model (model/builder.py)
       -> choose_paths(gguf, cfg, cache_dir)
            key = CPU flags, torch version, ISA caps, threads, layer shapes
            <cache_dir>/paths/<key>.json exists? -> that choice (milliseconds)
@@ -42,7 +42,6 @@ from engine_worker.kernel_build import _cpu_flags
 
 log = logging.getLogger("kestrel.paths")
 
-AUTO = -1  # dense_min_rows: chosen here
 # The most memory a copy of the layers may take (all layers; a float32 copy leaves the head
 # packed): SmolLM2's float32 copy is 0.36 GB; a 1.5B model's would be 6 GB, where the packed path
 # must do.

@@ -23,13 +23,17 @@ avoid a full-vocab sort: they look at the best `NUCLEUS_CANDIDATES` tokens (or t
 and sort the whole row only for a row whose nucleus is wider than that; the draw then works on
 those candidates, never on a full-vocabulary float64 CDF.
 
-Reproducibility: each sampled row draws exactly one uniform from its own generator per step,
+Reproducibility: each sampled row draws exactly one uniform from its own generator per call,
 whatever its params, its position in the batch, or who else is in it, and every batched op works
-row by row. The same seed with the same logits therefore gives the same tokens alone or in any
+row by row. The same seed with the same logits therefore gives the same token alone or in any
 batch (bit for bit on CPU; on a GPU, up to rounding that a different kernel choice could bring).
-Greedy rows never advance a generator. The engine makes one generator per sequence with
-`make_generator` when the sequence starts and hands it back every step; a sequence without a seed
-still gets its own, randomly seeded one, so no global RNG state is read or written.
+Greedy rows never advance a generator. Speculative decoding draws from the same generator
+(drafts, and one uniform per verified position: engine_worker/speculative/), and whether a step
+speculates depends on the batch (its size, the token budget), so a seeded sampled sequence keeps
+its tokens across batches only while speculation is off for it. The engine makes one generator
+per sequence with `make_generator` when the sequence starts and hands it back every step; a
+sequence without a seed still gets its own, randomly seeded one, so no global RNG state is read
+or written.
 
 Logprobs (a documented choice): the logprobs returned are log_softmax of the RAW model logits,
 before penalties, temperature and top-k/top-p, like vLLM's default "raw_logprobs". `logprob` is the
@@ -45,27 +49,12 @@ from dataclasses import dataclass
 import torch
 
 from engine_worker.logprobs import with_logprobs
+from engine_worker.step import SampleResult, SamplerInput
 from protocol.messages import SamplingParams
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks at this many best tokens before falling back to a sort
 GREEDY_EPS = 1e-5  # temperatures below this are greedy: dividing by them would overflow
 _SEED_MASK = (1 << 64) - 1  # torch seeds are 64-bit; masking maps negative OpenAI seeds into range
-
-
-@dataclass
-class SamplerInput:
-    """What the sampler needs to know about one sequence for one step."""
-
-    params: SamplingParams
-    output_token_ids: list[int]  # this sequence's generated tokens so far (for penalties)
-    generator: torch.Generator | None  # per-sequence RNG from make_generator, kept by the engine
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None  # set when params.logprobs is not None
-    top_logprobs: list[tuple[int, float]] | None  # k best (token_id, logprob), best first
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -2,9 +2,11 @@
 
 Data flow, once per engine step:
 
-    chunks = scheduler.schedule()            # which tokens of which sequences to compute now
-    sampled = model_runner.run(chunks)       # one token per chunk with `sample`, else None
-    new = scheduler.update(chunks, sampled)  # advance, append, finish, free
+    chunks = scheduler.schedule(k)           # which tokens of which sequences to compute now
+    logits = runner.execute(items(chunks))   # the engine runs them (engine_worker/engine.py)
+    emitted = sample or accept(logits)       # per chunk: its token(s), or None if not sampling
+    new = scheduler.update(chunks, emitted)  # advance, append, finish, free; the sequences
+                                             # that got tokens (each chunk's num_emitted)
 
 A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its tokens). Each step
 spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence (plus up
@@ -24,43 +26,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 from engine_worker.block_manager import BlockManager
 from engine_worker.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine_worker.step import ScheduledChunk
 from protocol.messages import SamplingParams
 
 
 class RequestTooLarge(ValueError):
     """A request that could never be served by this worker, whatever the load."""
-
-
-@dataclass
-class ScheduledChunk:
-    """Compute K/V for `seq.token_ids[start_pos : start_pos + num_tokens]` this step.
-
-    `start_pos == seq.num_computed_tokens` when scheduled. `sample`: the chunk ends at the
-    sequence's last token, so its last logits give the next token.
-    """
-
-    seq: Sequence
-    start_pos: int
-    num_tokens: int
-    sample: bool
-    # Speculation (decode chunks only): how many drafts the blocks reserved this step allow, the
-    # drafts the proposer filled in (fed after the last token, scored at every position), and
-    # their draft distribution (a (len(drafts), V) tensor; None: one-hot, e.g. n-gram lookup).
-    max_drafts: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Any = None
-    num_emitted: int = 0  # set by update: tokens committed from this chunk
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The committed tokens to compute, then the drafts to verify."""
-        end = self.start_pos + self.num_tokens
-        return self.seq.token_ids[self.start_pos : end] + self.draft_token_ids
 
 
 class Scheduler:
@@ -105,10 +79,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return list(self._by_request)
 
     def get(self, request_id: str) -> list[Sequence]:
         """The unfinished sequences of a request ([] if none)."""

@@ -14,6 +14,7 @@ import itertools
 from enum import Enum, auto
 from typing import Any
 
+from engine_worker.speculative.state import SpecState
 from protocol.messages import SamplingParams
 
 # Process-wide source of sequence ids. `next()` on an itertools.count is atomic under the GIL,
@@ -67,19 +68,13 @@ class Sequence:
         # cache), summed over all its prefills: a preempted sequence that recomputes counts again.
         self.num_prefilled_tokens_total = 0
         # Per-request state that lives as long as the sequence (no side maps in the worker):
-        # when the scheduler first admitted it (monotonic seconds), and whether its first token
-        # frame has gone out (the queue-wait metric measures up to it).
+        # when the scheduler first admitted it (monotonic seconds; the queue-wait metric).
         self.first_scheduled_time: float | None = None
-        self.first_token_sent = False
         # Its private sampling RNG (a torch.Generator, set by the engine; no torch here).
         self.generator: Any = None
-        # Speculative decoding: the proposer's own state (n-gram index, draft KV blocks), and a
-        # running mean of the fraction of drafts accepted, which turns speculation off for a
-        # sequence whose drafts keep failing (see speculative.py).
-        self.proposer_state: Any = None
-        self.spec_acceptance = 1.0
-        self.spec_skip_steps = 0
-        self.spec_backoffs = 0  # failed probes in a row: the next backoff is 2**this longer
+        # Speculative decoding: the proposer's own state and the acceptance bookkeeping that
+        # pauses speculation for a sequence whose drafts keep failing.
+        self.spec = SpecState()
 
     # -- token views ---------------------------------------------------------------------------
 
@@ -99,10 +94,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def last_token_id(self) -> int:
-        return self._token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

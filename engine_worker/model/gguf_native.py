@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from engine_worker.model.config import ModelConfig
+from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.llama import Linear, LlamaForCausalLM
-from engine_worker.quant import Int4GroupLinear
-from engine_worker.quant_group import Int8GroupEmbedding, Int8GroupLinear
+from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 
 log = logging.getLogger("kestrel.gguf")
 

@@ -16,6 +16,7 @@ import torch
 
 from engine_worker.model.tiny import make_tiny_checkpoint
 from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
 
 KV_BUDGET = 64 << 20  # bytes: 64 MiB is >1000 tokens even for SmolLM2 in float32
 
@@ -27,12 +28,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_dir: Path) -> ModelRunner:
-    return ModelRunner(tiny_dir, kv_budget_bytes=KV_BUDGET, block_size=16)
+    return ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=KV_BUDGET, block_size=16))
 
 
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2_dir: Path) -> ModelRunner:
-    return ModelRunner(smollm2_dir, kv_budget_bytes=KV_BUDGET, block_size=16)
+    return ModelRunner(RunnerConfig(smollm2_dir, kv_budget_bytes=KV_BUDGET, block_size=16))
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.acceptance import accept
+from engine_worker.speculative.acceptance import accept
 
 N = 200_000
 V = 12

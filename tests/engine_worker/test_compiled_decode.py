@@ -17,7 +17,9 @@ import torch
 from engine_worker.compiled_step import MIN_CONTEXT, compiler_available
 from engine_worker.config import WorkerConfig
 from engine_worker.model.loader import load_config
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 from tests.engine_worker.gguf_factory import write_gguf
 from tests.numerics import BF16_ULPS, ULPS, assert_logits_close, rounding_bound
 
@@ -32,9 +34,9 @@ def _runner(folder: Path, gguf_path: Path | None, compile_mode: str, cache: Path
     # GGUF-native layers switch to a bfloat16 copy at 4 rows here, whatever this host would
     # measure (engine_worker/path_choice.py): a switch inside the compiled buckets is the case
     # these tests need.
-    return ModelRunner(folder, kv_budget_bytes=KV, block_size=16, max_model_len=1024,
-                       gguf_path=gguf_path, compile_mode=compile_mode, max_num_seqs=8,
-                       cache_dir=cache, dense_min_rows=4)
+    return ModelRunner(RunnerConfig(folder, kv_budget_bytes=KV, block_size=16, max_model_len=1024,
+                                    gguf_path=gguf_path, compile_mode=compile_mode, max_num_seqs=8,
+                                    cache_dir=cache, dense_min_rows=4))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
 from protocol import messages as m
 
 ATOL = RTOL = 1e-4
@@ -25,9 +26,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def make_engine(model_dir: Path, *, blocks: int = 512, max_num_seqs: int = 16,
                 max_tokens_per_step: int = 512, prefix_caching: bool = True) -> Engine:
-    probe = ModelRunner(model_dir, kv_budget_bytes=1 << 20)  # to read the config
+    probe = ModelRunner(RunnerConfig(model_dir, kv_budget_bytes=1 << 20))  # to read the config
     budget = kv_cache_bytes(probe.config, blocks * 16, torch.float32)
-    runner = ModelRunner(model_dir, kv_budget_bytes=budget, block_size=16)
+    runner = ModelRunner(RunnerConfig(model_dir, kv_budget_bytes=budget, block_size=16))
     assert runner.num_blocks == blocks
     return Engine(runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step,
                   enable_prefix_caching=prefix_caching)

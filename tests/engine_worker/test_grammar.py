@@ -13,7 +13,9 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.grammar import GrammarCompiler
 from engine_worker.model_runner import ModelRunner
-from engine_worker.sampler import Sampler, SamplerInput, make_generator
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.sampler import Sampler, make_generator
+from engine_worker.step import SamplerInput
 from gateway.structured import build_checked
 from protocol import messages as m
 
@@ -26,7 +28,7 @@ def compiler(tiny_dir: Path, tiny_runner: ModelRunner) -> GrammarCompiler:
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path, compiler: GrammarCompiler) -> Engine:
-    runner = ModelRunner(tiny_dir, kv_budget_bytes=16 << 20, block_size=16)
+    runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=16 << 20, block_size=16))
     return Engine(runner, max_num_seqs=8, max_num_batched_tokens=256, grammars=compiler)
 
 

@@ -15,8 +15,10 @@ from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config
-from engine_worker.model_runner import ModelRunner, StepItem
-from engine_worker.quant_group import Int8GroupLinear, load_group_gemv
+from engine_worker.model.quant_group import Int8GroupLinear, load_group_gemv
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 from tests.engine_worker.gguf_factory import write_gguf
 from tests.numerics import BF16_ULPS, assert_logits_close
 
@@ -108,12 +110,12 @@ def test_runner_falls_back_when_no_kernel_can_be_built(
     def refuse(name: str, cache_dir: str, op: str, seconds: int = 15) -> None:
         raise KernelUnavailable("no C++ compiler ('c++' not found)")
 
-    monkeypatch.setattr("engine_worker.quant_group.load_kernel", refuse)
+    monkeypatch.setattr("engine_worker.model.quant_group.load_kernel", refuse)
     cfg = load_config(tiny_dir)
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q4_1, Q.Q8_0, cfg.num_heads,
                       cfg.num_kv_heads)
-    runner = ModelRunner(tiny_dir, gguf_path=path, kv_budget_bytes=1 << 22,
-                         cache_dir=tmp_path)
+    runner = ModelRunner(RunnerConfig(tiny_dir, gguf_path=path, kv_budget_bytes=1 << 22,
+                                      cache_dir=tmp_path))
     assert runner.model.lm_head.native is False  # type: ignore[union-attr]
     logits = runner.execute([StepItem([1, 2, 3], 0, [0])])
     assert logits.shape == (1, cfg.vocab_size) and bool(torch.isfinite(logits).all())

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.llama import Attention
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 from tests.engine_worker.greedy_run import greedy_tokens
 
 
@@ -84,9 +86,9 @@ def test_runner_decode_step_logits_equal_both_paths(tiny_runner: ModelRunner) ->
 
 
 def engine_tokens(tiny_dir: Path, grouped: bool) -> dict[str, list[int]]:
-    probe = ModelRunner(tiny_dir, kv_budget_bytes=1 << 20)
-    runner = ModelRunner(tiny_dir, kv_budget_bytes=kv_cache_bytes(probe.config, 256 * 16,
-                                                                  torch.float32), block_size=16)
+    probe = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=1 << 20))
+    budget = kv_cache_bytes(probe.config, 256 * 16, torch.float32)
+    runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=budget, block_size=16))
     set_grouped(runner, grouped)
     return greedy_tokens(runner, (("a", 5), ("b", 33), ("c", 70), ("d", 12)), 1)
 

@@ -23,6 +23,7 @@ from engine_worker.model.config import ModelConfig
 from engine_worker.model.llama import Linear, rope_inv_freq
 from engine_worker.model.loader import load_model, resolve_checkpoint, tokenizer_info
 from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
 from tests.numerics import assert_logits_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,7 +172,7 @@ def _variant(kind: str, path: Path) -> Any:
 )
 def test_family_variants_match_transformers(kind: str, tmp_path: Path) -> None:
     hf = _variant(kind, tmp_path)
-    runner = ModelRunner(tmp_path, kv_budget_bytes=1 << 20)
+    runner = ModelRunner(RunnerConfig(tmp_path, kv_budget_bytes=1 << 20))
     ids = random_ids(80, seed=2, vocab=512)
     assert_logits_match(runner.forward_full(ids), hf, ids)
 
@@ -186,7 +187,7 @@ def test_smollm2_logits_match_transformers(
 
 
 def _bf16_agreement(path: Path, ids: list[int], fp32: ModelRunner) -> float:
-    bf16 = ModelRunner(path, dtype=torch.bfloat16, kv_budget_bytes=4 << 20)
+    bf16 = ModelRunner(RunnerConfig(path, dtype="bfloat16", kv_budget_bytes=4 << 20))
     assert bf16.kv_cache.k[0].dtype == torch.bfloat16
     low = bf16.forward_full(ids)
     assert low.dtype == torch.float32 and torch.isfinite(low).all()

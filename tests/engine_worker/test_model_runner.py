@@ -11,7 +11,9 @@ from tokenizers import Tokenizer
 
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.loader import tokenizer_info
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 from tests.numerics import assert_logits_close, first_near_tie, top2_gap
 
 
@@ -116,7 +118,7 @@ def test_mixed_batch_equals_each_item_alone(tiny_runner: ModelRunner) -> None:
 def test_bf16_cached_decode_mostly_follows_float32(
     tiny_dir: Path, tiny_runner: ModelRunner
 ) -> None:
-    bf16 = ModelRunner(tiny_dir, dtype=torch.bfloat16, kv_budget_bytes=1 << 20)
+    bf16 = ModelRunner(RunnerConfig(tiny_dir, dtype="bfloat16", kv_budget_bytes=1 << 20))
     seq = random_ids(16, seed=5) + random_ids(40, seed=6)
     ref = tiny_runner.forward_full(seq).argmax(-1)  # (T,) float32 choices
     table = [3, 0, 2, 1]
@@ -141,13 +143,14 @@ def test_sizes_follow_budget_and_checkpoint(tiny_dir: Path, tiny_runner: ModelRu
     file_bytes = sum(t.nbytes for t in load_file(str(tiny_dir / "model.safetensors")).values())
     assert tiny_runner.weight_bytes == file_bytes  # tied head counted once, like the file
 
-    small = ModelRunner(tiny_dir, kv_budget_bytes=10 * per_block, block_size=16)
+    small = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, block_size=16))
     assert small.max_model_len == 160  # clamped to what the cache holds
-    assert ModelRunner(tiny_dir, kv_budget_bytes=per_block, max_model_len=8).max_model_len == 8
+    short = RunnerConfig(tiny_dir, kv_budget_bytes=per_block, max_model_len=8)
+    assert ModelRunner(short).max_model_len == 8
     with pytest.raises(ValueError, match="less than one block"):
-        ModelRunner(tiny_dir, kv_budget_bytes=per_block - 1)
+        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=per_block - 1))
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(tiny_dir, kv_budget_bytes=10 * per_block, max_model_len=161)
+        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, max_model_len=161))
 
 
 def test_execute_refuses_bad_items(tiny_runner: ModelRunner) -> None:

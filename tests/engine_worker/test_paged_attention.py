@@ -21,12 +21,14 @@ from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.llama import Attention
-from engine_worker.model_runner import ModelRunner, StepItem
+from engine_worker.model_runner import ModelRunner
 from engine_worker.paged_attention import (
     compiler_missing,
     load_paged_attention,
     paged_decode_attention,
 )
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
 from tests.engine_worker.greedy_run import greedy_tokens
 from tests.engine_worker.test_grouped_decode import gqa_config
 
@@ -139,7 +141,7 @@ def test_runner_decode_logits_equal_both_paths(kernel: None, tiny_runner: ModelR
 
 
 def test_runner_bfloat16_decode_logits_close_both_paths(kernel: None, tiny_dir: Path) -> None:
-    runner = ModelRunner(tiny_dir, dtype=torch.bfloat16, kv_budget_bytes=16 << 20)
+    runner = ModelRunner(RunnerConfig(tiny_dir, dtype="bfloat16", kv_budget_bytes=16 << 20))
     assert runner.paged_attention.enabled
     items = runner_items(runner)
     runner.set_paged_attention(False)
@@ -151,9 +153,9 @@ def test_runner_bfloat16_decode_logits_close_both_paths(kernel: None, tiny_dir: 
 
 
 def engine_tokens(tiny_dir: Path, paged: bool) -> dict[str, list[int]]:
-    probe = ModelRunner(tiny_dir, kv_budget_bytes=1 << 20, paged_attention="gather")
-    runner = ModelRunner(tiny_dir, kv_budget_bytes=kv_cache_bytes(probe.config, 256 * 16,
-                                                                  torch.float32), block_size=16)
+    probe = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=1 << 20, paged_attention="gather"))
+    budget = kv_cache_bytes(probe.config, 256 * 16, torch.float32)
+    runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=budget, block_size=16))
     runner.set_paged_attention(paged)
     return greedy_tokens(runner, (("a", 5), ("b", 33), ("c", 70), ("d", 12), ("e", 16)), 2)
 
@@ -167,8 +169,8 @@ def test_engine_greedy_tokens_same_with_kernel_and_gather(kernel: None, tiny_dir
 def test_env_gather_keeps_the_gather_path(tiny_dir: Path, tiny_runner: ModelRunner) -> None:
     cfg = parse_settings(WorkerConfig, [], {"KESTREL_PAGED_ATTENTION": "gather"})
     assert cfg.paged_attention == "gather"
-    runner = ModelRunner(tiny_dir, kv_budget_bytes=16 << 20,
-                         paged_attention=cfg.paged_attention)
+    runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=16 << 20,
+                                      paged_attention=cfg.paged_attention))
     assert not runner.paged_attention.enabled and "gather" in runner.paged_attention.reason
     attns = [mod for mod in runner.model.modules() if isinstance(mod, Attention)]
     assert attns and not any(a.paged_decode for a in attns)

@@ -13,8 +13,10 @@ import torch
 
 from engine_worker import path_choice
 from engine_worker.model.loader import load_config
-from engine_worker.model_runner import ModelRunner, StepItem
-from engine_worker.path_choice import AUTO, choose_paths, decide, native_bf16
+from engine_worker.model_runner import ModelRunner
+from engine_worker.path_choice import choose_paths, decide, native_bf16
+from engine_worker.runner_config import AUTO, RunnerConfig
+from engine_worker.step import StepItem
 from tests.engine_worker.gguf_factory import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -90,8 +92,9 @@ def test_a_copy_over_the_memory_budget_is_no_candidate(tiny_q4: Path, tmp_path: 
 
 def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
                                                 cache_dir: Path) -> None:
-    runner = ModelRunner(tiny_dir, gguf_path=tiny_q4, kv_budget_bytes=1 << 22,
-                         dense_min_rows=AUTO, cache_dir=cache_dir)  # the kernels built once
+    runner = ModelRunner(RunnerConfig(tiny_dir, gguf_path=tiny_q4, kv_budget_bytes=1 << 22,
+                                      dense_min_rows=AUTO,
+                                      cache_dir=cache_dir))  # the kernels built once
     assert runner.paths is not None
     layer = runner.model.model.layers[0].mlp.down_proj
     want = runner.paths.dense_min_rows

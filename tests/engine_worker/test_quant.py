@@ -9,18 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_worker.model.int4 import Int4GroupLinear, pack_int4, unpack_int4
+from engine_worker.model.int8 import Int8Embedding, Int8Linear
 from engine_worker.model.loader import load_model
-from engine_worker.quant import (
-    Int4GroupLinear,
-    Int8Embedding,
-    Int8Linear,
-    pack_int4,
-    pick_group_size,
-    quantize_model,
-    unpack_int4,
-    weight_bytes,
-)
-from engine_worker.quant_group import Int8GroupEmbedding, Int8GroupLinear
+from engine_worker.model.quant import pick_group_size, quantize_model, weight_bytes
+from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 
 HAS_INT8_KERNEL = hasattr(torch, "_weight_int8pack_mm")
 HAS_INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_worker.quant import Int4GroupLinear
+from engine_worker.model.int4 import Int4GroupLinear
 
 
 def test_clip_search_lowers_weight_error_on_heavy_tailed_weights() -> None:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from engine_worker.sampler import Sampler, SamplerInput, make_generator
+from engine_worker.sampler import Sampler, make_generator
+from engine_worker.step import SamplerInput
 from protocol.messages import SamplingParams
 
 V = 1000  # vocab for most tests: large enough to be realistic, small enough to be quick

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_worker.sampler import Sampler, SamplerInput, make_generator
+from engine_worker.sampler import Sampler, make_generator
+from engine_worker.step import SamplerInput
 from protocol.messages import SamplingParams
 
 V = 500

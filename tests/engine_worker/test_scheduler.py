@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from engine_worker.block_manager import BlockManager
-from engine_worker.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
+from engine_worker.scheduler import RequestTooLarge, Scheduler
 from engine_worker.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine_worker.step import ScheduledChunk
 from protocol.messages import SamplingParams
 
 BS = 4

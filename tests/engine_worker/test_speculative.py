@@ -14,11 +14,13 @@ import torch
 from common.block_hash import ROOT_HASH as _ROOT_HASH
 from common.block_hash import chain_hash
 from engine_worker.block_manager import BlockManager
-from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
 from engine_worker.scheduler import Scheduler
-from engine_worker.speculative import NgramProposer, Proposer, SpecDecoder
+from engine_worker.speculative.decoder import Proposer, SpecDecoder
+from engine_worker.speculative.draft import DraftModelProposer
+from engine_worker.speculative.ngram import NgramProposer
 from protocol import messages as m
 
 
@@ -54,7 +56,7 @@ def gen(rid: str, prompt: list[int], n_tokens: int = 40, **kw: object) -> m.Gene
 
 @pytest.fixture(scope="module")
 def draft_runner(tiny_dir: Path) -> ModelRunner:
-    return ModelRunner(tiny_dir, kv_budget_bytes=16 << 20, block_size=16)
+    return ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=16 << 20, block_size=16))
 
 
 def test_ngram_greedy_equals_plain_decoding(tiny_runner: ModelRunner) -> None:
@@ -195,7 +197,7 @@ def test_prefix_cache_registers_only_committed_tokens() -> None:
 
 
 def test_runner_all_logits_equal_full_forward(tiny_runner: ModelRunner) -> None:
-    from engine_worker.model_runner import StepItem
+    from engine_worker.step import StepItem
 
     ids = repetitive_prompt(14, 10, 2)  # 20 tokens
     table = list(range(200, 202))

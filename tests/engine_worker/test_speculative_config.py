@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from engine_worker.config import WorkerConfig
-from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.model_runner import ModelRunner
-from engine_worker.speculative import NgramProposer, build_spec_decoder
+from engine_worker.speculative.build import build_spec_decoder
+from engine_worker.speculative.draft import DraftModelProposer
+from engine_worker.speculative.ngram import NgramProposer
 
 
 @pytest.mark.parametrize("kw", [

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.draft_proposer import DraftModelProposer
 from engine_worker.engine import Engine
 from engine_worker.model_runner import ModelRunner
-from engine_worker.speculative import NgramProposer, SpecDecoder
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.speculative.decoder import SpecDecoder
+from engine_worker.speculative.draft import DraftModelProposer
+from engine_worker.speculative.ngram import NgramProposer
 from protocol import messages as m
 from tests.engine_worker.test_llama import chat_ids
 
@@ -77,7 +79,7 @@ def test_greedy_ngram_equals_plain_except_near_ties(smollm2_runner: ModelRunner,
 @pytest.mark.smollm
 def test_smollm_as_its_own_draft_accepts_everything(smollm2_runner: ModelRunner,
                                                      smollm2_dir: Path) -> None:
-    draft = ModelRunner(smollm2_dir, kv_budget_bytes=32 << 20, block_size=16)
+    draft = ModelRunner(RunnerConfig(smollm2_dir, kv_budget_bytes=32 << 20, block_size=16))
     prompt = chat_ids(smollm2_dir, "Name three colours.")
     spec = SpecDecoder(DraftModelProposer(draft), 4, max_batch=4, min_acceptance=0.0)
     out, stats = generate(smollm2_runner, spec, prompt, 32)

@@ -7,8 +7,8 @@
                   tokens = spec.accept(...)          # rejection sampling, see acceptance.py
                   scheduler.update(chunks, tokens)   # commits accepted drafts + one token
 
-Proposers sit behind `Proposer` (n-gram prompt lookup here, a draft model in draft_proposer.py);
-their per-sequence state lives on the sequence (`seq.proposer_state`).
+Proposers sit behind `Proposer` (n-gram prompt lookup in ngram.py, a draft model in draft.py);
+a sequence's speculation state, the proposer's part included, is one object on it (`seq.spec`).
 
 When it switches itself off, so that it never makes a loaded server slower:
 - for a step, when more than `max_batch` sequences decode (verifying costs a chunk of 1 + k tokens
@@ -22,18 +22,14 @@ When it switches itself off, so that it never makes a loaded server slower:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from engine_worker.acceptance import accept
-from engine_worker.sampler import Sampler, SamplerInput, is_greedy
-from engine_worker.scheduler import ScheduledChunk
+from engine_worker.sampler import Sampler, is_greedy
 from engine_worker.sequence import Sequence
-
-if TYPE_CHECKING:
-    from engine_worker.config import WorkerConfig
-    from engine_worker.model_runner import ModelRunner
+from engine_worker.speculative.acceptance import accept
+from engine_worker.step import SamplerInput, ScheduledChunk
 
 BACKOFF_STEPS = 16  # steps a sequence with failing drafts decodes plainly before probing again
 MAX_BACKOFF_STEPS = 256  # the backoff doubles at each failed probe, up to this
@@ -52,64 +48,6 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """Forget `seq` (finished or aborted): free whatever its state holds."""
         ...
-
-
-class _NgramIndex:
-    """Where each n-gram (n in min_n..max_n) of a sequence last ended, built incrementally."""
-
-    def __init__(self) -> None:
-        self.indexed = 0  # n-grams ending before this position are in the maps
-        self.last_end: dict[tuple[int, ...], int] = {}
-        self.first_end: dict[tuple[int, ...], int] = {}
-
-
-class NgramProposer:
-    """Prompt lookup: find the longest suffix (max_n down to min_n tokens) of prompt + output that
-    occurred before, and propose the tokens that followed its latest occurrence (its first, when
-    the latest has fewer than k tokens after it). Strong on
-    input-grounded work (rewriting, summarising, editing code), where the output copies spans
-    of the input. No model, no probabilities: the drafts are one-hot guesses."""
-
-    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError("need 1 <= min_n <= max_n")
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, seqs: list[Sequence], limits: list[int]
-                ) -> list[tuple[list[int], torch.Tensor | None]]:
-        return [(self._lookup(seq, k), None) for seq, k in zip(seqs, limits, strict=True)]
-
-    def release(self, seq: Sequence) -> None:
-        seq.proposer_state = None
-
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
-        if k <= 0:
-            return []
-        index = seq.proposer_state
-        if not isinstance(index, _NgramIndex):
-            index = seq.proposer_state = _NgramIndex()
-        tokens = seq.token_ids
-        last = len(tokens) - 1
-        # Index every n-gram ending before the last token; the suffix itself must not match.
-        for end in range(index.indexed, last):
-            for n in range(self.min_n, self.max_n + 1):
-                if end - n + 1 >= 0:
-                    key = tuple(tokens[end - n + 1 : end + 1])
-                    index.last_end[key] = end
-                    index.first_end.setdefault(key, end)
-        index.indexed = max(index.indexed, last)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if n > len(tokens):
-                continue
-            key = tuple(tokens[len(tokens) - n :])
-            end = index.last_end.get(key)
-            if end is not None:
-                # The latest occurrence is the likeliest context; in a run that repeats itself
-                # it is right behind the suffix and has little after it, so take the first.
-                if last - end < k:
-                    end = index.first_end[key]
-                return list(tokens[end + 1 : end + 1 + k])
-        return []
 
 
 @dataclass
@@ -141,8 +79,8 @@ class SpecDecoder:
         for c in chunks:
             if c.max_drafts <= 0:
                 continue
-            if c.seq.spec_skip_steps > 0:
-                c.seq.spec_skip_steps -= 1
+            if c.seq.spec.skip_steps > 0:
+                c.seq.spec.skip_steps -= 1
                 continue
             todo.append(c)
         if not todo:
@@ -239,48 +177,20 @@ class SpecDecoder:
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         self.stats.verify_steps += 1
-        seq.spec_acceptance = (1 - EMA) * seq.spec_acceptance + EMA * accepted / proposed
+        st = seq.spec
+        st.acceptance = (1 - EMA) * st.acceptance + EMA * accepted / proposed
         if accepted == proposed:
-            seq.spec_backoffs = 0  # drafts are landing again: back off briefly next time
-        if seq.spec_acceptance < self.min_acceptance:
+            st.backoffs = 0  # drafts are landing again: back off briefly next time
+        if st.acceptance < self.min_acceptance:
             # Exponential: a sequence whose drafts never land (a chat answer with nothing to
             # copy, a draft model of another family) soon stops paying for probes.
-            seq.spec_skip_steps = min(BACKOFF_STEPS << seq.spec_backoffs, MAX_BACKOFF_STEPS)
-            seq.spec_backoffs += 1
+            st.skip_steps = min(BACKOFF_STEPS << st.backoffs, MAX_BACKOFF_STEPS)
+            st.backoffs += 1
             # The next probe decides at once: one more failed step backs off again, a step with
             # half its drafts accepted keeps speculating.
-            seq.spec_acceptance = self.min_acceptance + 0.05
+            st.acceptance = self.min_acceptance + 0.05
 
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
     return is_greedy(p) and not (p.presence_penalty or p.frequency_penalty)
-
-
-def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | None:
-    """The worker's speculative decoder from its settings (None: --speculative-method off)."""
-    if cfg.speculative_method == "off":
-        return None
-    proposer: Proposer
-    if cfg.speculative_method == "ngram":
-        proposer = NgramProposer()
-    else:
-        from pathlib import Path
-
-        from engine_worker.draft_proposer import DraftModelProposer
-        from engine_worker.model.loader import resolve_checkpoint
-        from engine_worker.model_runner import ModelRunner as Runner
-
-        draft = Runner(
-            resolve_checkpoint(cfg.draft_model, Path(cfg.cache_dir)),
-            dtype=runner.dtype, device=str(runner.device),
-            kv_budget_bytes=cfg.kv_cache_mb * 2**20, block_size=cfg.block_size,
-            paged_attention=cfg.paged_attention, cache_dir=Path(cfg.cache_dir),
-        )
-        if draft.config.vocab_size != runner.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
-                             f"the served model's ({runner.config.vocab_size})")
-        proposer = DraftModelProposer(draft)
-    return SpecDecoder(proposer, cfg.num_speculative_tokens,
-                       max_batch=cfg.speculative_max_batch,
-                       min_acceptance=cfg.speculative_min_acceptance)

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_worker.model_runner import ModelRunner, StepItem
-from engine_worker.sampler import Sampler, SamplerInput, is_greedy
+from engine_worker.model_runner import ModelRunner
+from engine_worker.sampler import Sampler, is_greedy
 from engine_worker.sequence import Sequence
+from engine_worker.step import SamplerInput, StepItem
 
 
 @dataclass
@@ -48,10 +49,10 @@ class DraftModelProposer:
         return len(self._free)
 
     def release(self, seq: Sequence) -> None:
-        state = seq.proposer_state
+        state = seq.spec.proposer
         if isinstance(state, _DraftState):
             self._free += state.block_table
-        seq.proposer_state = None
+        seq.spec.proposer = None
 
     def propose(self, seqs: list[Sequence], limits: list[int]
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -62,18 +63,18 @@ class DraftModelProposer:
         if live:
             items = []
             for i in live:
-                seq, st = seqs[i], seqs[i].proposer_state
+                seq, st = seqs[i], seqs[i].spec.proposer
                 items.append(StepItem(seq.token_ids[st.num_computed :], st.num_computed,
                                       st.block_table))
             self._draw(seqs, live, self.runner.execute(items), drafts, probs)
         for j in range(1, max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
             items = [StepItem([drafts[i][j - 1]], seqs[i].num_tokens + j - 1,
-                              seqs[i].proposer_state.block_table) for i in live]
+                              seqs[i].spec.proposer.block_table) for i in live]
             self._draw(seqs, live, self.runner.execute(items), drafts, probs)
         out: list[tuple[list[int], torch.Tensor | None]] = []
         for i, seq in enumerate(seqs):
-            st = seq.proposer_state
+            st = seq.spec.proposer
             if ks[i] > 0:
                 # Fed: every committed token, then drafts 1..k-1 (draft k was never fed).
                 st.tail_start = seq.num_tokens
@@ -85,9 +86,9 @@ class DraftModelProposer:
     def _prepare(self, seq: Sequence, k: int) -> int:
         """Roll `seq`'s draft cache back to its committed tokens and give it blocks for k
         drafts; returns how many drafts it can have (0 when the draft cache is full)."""
-        st = seq.proposer_state
+        st = seq.spec.proposer
         if not isinstance(st, _DraftState):
-            st = seq.proposer_state = _DraftState()
+            st = seq.spec.proposer = _DraftState()
         tokens = seq.token_ids
         keep = st.tail_start
         for j, d in enumerate(st.tail):

@@ -1,0 +1,76 @@
+"""Building the served model from a RunnerConfig: weights loaded, then quantized or repacked.
+
+    RunnerConfig --build_model--> BuiltModel (model, quantization report, measured paths,
+                                              the row count from which layers switch kernels)
+
+Two ways in:
+  - gguf_path set: the GGUF file's own blocks (Q4_0/Q4_1/Q8_0 packed), float32 activations, a
+    bfloat16 copy of each layer from `dense_min_rows` rows; with dense_min_rows AUTO on a CPU,
+    what is faster on this host is measured once and kept in the cache dir
+    (engine_worker/path_choice.py);
+  - a float checkpoint: loaded in the config's dtype, then weight-only INT8/INT4 module swaps
+    (engine_worker/model/quant.py). INT4's (tied) LM head is INT8 per group of 32, as the GGUF
+    path's Q8_0 head: an INT4 head and a per-channel INT8 head (tried) turn SmolLM2's "The
+    capital of France is Paris." into "L'Étoile, ..." (tests/e2e); a float32 head cost 4.5 ms a
+    step. From dense_min_rows rows the head reads a bfloat16 copy (54 MiB for SmolLM2, half the
+    float32 head it replaces): per-group INT8 at 16 rows halved 16-stream tok/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_worker.model.config import ModelConfig
+from engine_worker.model.gguf_native import load_gguf_model
+from engine_worker.model.llama import LlamaForCausalLM
+from engine_worker.model.loader import load_model
+from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
+from engine_worker.model.quant_group import load_group_gemv
+from engine_worker.path_choice import PathChoice, choose_paths, native_bf16
+from engine_worker.runner_config import AUTO, RunnerConfig
+
+# With dense_min_rows given (not AUTO, which measures: engine_worker/path_choice.py): from this
+# many rows GGUF-native layers run a bfloat16 copy through oneDNN. On a CPU with native bfloat16
+# the packed INT4 kernel is 2-3x slower at 16 rows, the group-wise INT8 head ~4x; without it the
+# copy is 3x slower than the packed path. Costs 2 bytes a weight: ~230 MiB for SmolLM2.
+DENSE_ROWS = 4
+
+
+@dataclass
+class BuiltModel:
+    model: LlamaForCausalLM
+    quant: QuantReport
+    paths: PathChoice | None  # what was measured for GGUF-native layers (None: nothing)
+    kernel_rows: int  # rows from which GGUF layers switch kernels (0: none): a compiled bucket edge
+
+
+def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -> BuiltModel:
+    """The model `cfg` names on its device, RoPE tables for `max_positions`."""
+    device = torch.device(cfg.device)
+    dense_min_rows = cfg.dense_min_rows
+    # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
+    native_q8 = device.type == "cpu" and load_group_gemv(cfg.cache_dir) is None
+    if cfg.gguf_path is not None:
+        paths = None
+        compute = dense_dtype = torch.bfloat16
+        if dense_min_rows == AUTO and device.type == "cpu":  # measured on this host
+            paths = choose_paths(cfg.gguf_path, cfg.cache_dir, num_layers=model_cfg.num_layers,
+                                 native_q8=native_q8)
+            compute = getattr(torch, paths.compute_dtype)
+            dense_min_rows = paths.dense_min_rows
+            dense_dtype = getattr(torch, paths.dense_dtype or "bfloat16")
+        dense_min_rows = DENSE_ROWS if dense_min_rows == AUTO else dense_min_rows
+        model = load_gguf_model(cfg.gguf_path, model_cfg, device, compute_dtype=compute,
+                                max_positions=max_positions, dense_dtype=dense_dtype,
+                                dense_min_rows=dense_min_rows, native_q8=native_q8)
+        size = weight_bytes(model)
+        return BuiltModel(model, QuantReport("gguf", size, size), paths, dense_min_rows)
+    if dense_min_rows == AUTO:  # the INT4 mode's head copy is bfloat16: only if native
+        dense_min_rows = DENSE_ROWS if native_bf16() or device.type != "cpu" else 0
+    model = load_model(cfg.model_path, getattr(torch, cfg.dtype), device,
+                       max_positions=max_positions)
+    quant = quantize_model(model, cfg.quantization, cfg.group_size, native_q8=native_q8,
+                           head_dense_rows=dense_min_rows)
+    return BuiltModel(model, quant, None, 0)

@@ -1,0 +1,157 @@
+"""INT4 weights, asymmetric per group of inputs, two to a byte (engine_worker/model/quant.py
+swaps them in; GGUF Q4_0/Q4_1 blocks adopt the same layout with no rounding).
+
+    x (M, K) --Int4GroupLinear--> (M, N): torch's packed int4 matmul on CPU (tiled bytes,
+                                          bfloat16 activations), a dense copy from
+                                          `dense_min_rows` rows, else dequantize + F.linear
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_worker.model.int8 import kernel_dtype
+
+_INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+_INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) ints in 0..15 -> (N, K/2) uint8: column 2j in the low nibble, 2j+1 in the high."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: (N, K/2) uint8 -> (N, K) uint8."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+class Int4GroupLinear(nn.Module):
+    """Asymmetric INT4 per group of `group_size` inputs: w ~= (q - 8) * scale + zero, q in
+    0..15, with scale = (max - min) / 15 and zero = min + 8 * scale per (row, group): the
+    layout torch's int4 kernels read. Two weights a byte plus a scale and a zero per group.
+
+    `qweight` is (N, K/2) uint8 either way; with `use_kernel` its bytes are in the CPU kernel's
+    own tiled order (made by `_convert_weight_to_int4pack_for_cpu`, CPU-specific), otherwise in
+    `pack_int4` order. `scales_zeros` is (K/G, N, 2), the kernel's layout."""
+
+    def __init__(
+        self, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None, use_kernel: bool,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight)  # (N, K/2) uint8
+        self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) compute dtype
+        self.register_buffer("bias", bias)
+        self.use_kernel = use_kernel
+        self.dense_min_rows = 0
+        self.register_buffer("dense", None)  # (N, K) float copy for many rows, if kept
+
+    def keep_dense(self, min_rows: int, weight: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+        """From `min_rows` rows up, compute with a `dtype` copy of the weights through oneDNN
+        (2 or 4 bytes a weight on top of the packed half byte): where it wins is the host's
+        to say (engine_worker/path_choice.py measures it)."""
+        if self.use_kernel and min_rows > 0:
+            self.dense_min_rows = min_rows
+            # `weight` (N, K), when the caller has it, spares reading the tiled bytes back
+            # through the float32 kernel (seconds per layer)
+            w = self.dequantize(torch.float32) if weight is None else weight
+            self.dense = w.to(dtype)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
+        compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
+        clip_search: bool = False,
+    ) -> Int4GroupLinear:
+        """Round-to-nearest over each group's [min, max]; with clip_search, each group also
+        tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared error
+        (an outlier then costs one clipped weight instead of a coarse step for all 32)."""
+        n, k = weight.shape
+        if k % group_size or k % 2:
+            raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
+        fits = n % 16 == 0 and group_size in (32, 64, 128, 256)
+        if use_kernel is None:
+            use_kernel = _INT4_MM is not None and weight.device.type == "cpu" and fits
+        if compute_dtype is None:
+            compute_dtype = kernel_dtype(weight.device, weight.dtype) if use_kernel \
+                else weight.dtype
+        w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
+        q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
+        if clip_search:  # per group, the clipped range with the least squared error
+            best = ((_dequant_groups(q, scale, zero) - w) ** 2).sum(-1)  # (N, K/G)
+            lo, hi = w.amin(-1), w.amax(-1)
+            # both ends shrunk, or only one (an outlier is usually on one side)
+            ranges = [(lo * a, hi * b) for c in CLIP_SHRINKS for a, b in ((c, c), (c, 1), (1, c))]
+            for lo2, hi2 in ranges:
+                q2, s2, z2 = _round_groups(w, lo2, hi2, compute_dtype)
+                err = ((_dequant_groups(q2, s2, z2) - w) ** 2).sum(-1)
+                better = err < best
+                best = torch.where(better, err, best)
+                q = torch.where(better[..., None], q2, q)
+                scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
+        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias, use_kernel=use_kernel)
+
+    @classmethod
+    def from_codes(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None = None, *, use_kernel: bool,
+    ) -> Int4GroupLinear:
+        """Adopt ready codes: q (N, K) in 0..15, scale and zero (N, K/G) in the compute dtype,
+        meaning w = (q - 8) * scale + zero. GGUF Q4_0/Q4_1 blocks map here with no rounding."""
+        if use_kernel:
+            packed = _INT4_PACK(q.to(torch.int32), 1)  # (N, K/2) uint8, tiled
+        else:
+            packed = pack_int4(q)
+        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # (K/G, N, 2)
+        return cls(packed, sz, group_size, None if bias is None else bias.detach().clone(),
+                   use_kernel)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, K) weights in `dtype`."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.use_kernel:  # tiled bytes: read them back through the kernel, x = identity
+            eye = torch.eye(k, dtype=torch.float32, device=self.qweight.device)
+            sz = self.scales_zeros.float()
+            return _INT4_MM(eye, self.qweight, g, sz).t().to(dtype)  # (K, N) -> (N, K)
+        q = unpack_int4(self.qweight).to(dtype).view(n, k // g, g)  # (N, K/G, G)
+        sz = self.scales_zeros.transpose(0, 1).to(dtype)  # (N, K/G, 2)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+        elif self.use_kernel:
+            xc = x.to(self.scales_zeros.dtype)
+            y = _INT4_MM(xc, self.qweight, self.group_size, self.scales_zeros).to(x.dtype)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
+                f"kernel={self.use_kernel}")
+
+
+CLIP_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _round_groups(
+    w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K/G, G) on the range [lo, hi] (N, K/G) -> codes (N, K/G, G) in 0..15, scale and
+    zero (N, K/G) in compute_dtype; codes are rounded against the stored (rounded) values."""
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(compute_dtype)
+    zero = (lo + 8 * scale.float()).to(compute_dtype)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    return torch.round((w - z) / s + 8).clamp(0, 15), scale, zero
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (q - 8) * scale.float()[..., None] + zero.float()[..., None]  # (N, K/G, G)

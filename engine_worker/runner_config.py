@@ -1,0 +1,113 @@
+"""The model runner's config: one frozen object, built once and never changed after.
+
+    WorkerConfig (flags, KESTREL_*) --RunnerConfig.from_worker--> RunnerConfig --> ModelRunner
+                                                                       |
+                                           .for_draft(checkpoint) ----+--> the draft's runner
+
+`from_worker` resolves everything that needs a look at the host or the checkpoint (the model
+folder, a GGUF file served natively, the dtype, the KV budget in bytes) so that the worker, the
+draft runner and every benchmark build their runner the same way; a benchmark's own flags override
+fields with `dataclasses.replace`. No torch here: dtypes are named as torch attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine_worker.config import (
+    COMPILE_MODES,
+    PAGED_ATTENTION_MODES,
+    QUANT_GROUP_SIZES,
+    QUANTIZATIONS,
+    WorkerConfig,
+    cache_dir_from_env,
+    check_choice,
+)
+from engine_worker.memory_budget import kv_budget_bytes
+
+AUTO = -1  # dense_min_rows: measured on this host (engine_worker/path_choice.py)
+RUN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: Path  # a checkpoint folder: config.json, and the weights unless gguf_path is set
+    kv_budget_bytes: int  # the KV cache's memory; its block count follows from the model
+    dtype: str = "float32"  # activations and KV cache (torch attribute name)
+    device: str = "cpu"
+    # Serve this GGUF file's own quantized blocks (model_path then only supplies config.json);
+    # activations are float32 and `quantization` must be none.
+    gguf_path: Path | None = None
+    quantization: str = "none"  # weight-only: none | int8 | int4 (engine_worker/model/quant.py)
+    group_size: int = 32  # INT4 group size
+    # From this many rows GGUF-native layers (and INT4's head) compute with a bfloat16 copy;
+    # 0: none; AUTO: measured on this host for GGUF, native bfloat16 decides otherwise.
+    dense_min_rows: int = AUTO
+    # "auto" reads decode contexts in place with the C++ kernel where it builds; "gather"
+    # copies them.
+    paged_attention: str = "auto"
+    compile_mode: str = "off"  # "decode": torch.compile one-token decode steps
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the checkpoint's context clamped to the KV capacity
+    max_num_seqs: int = 32  # the compiled graphs' largest batch
+    num_threads: int | None = None  # torch CPU threads (process-wide; None: torch's default)
+    # Where our C++ kernels are built once per host and Inductor keeps its graphs; without a
+    # compiler the kernels are not used and torch's kernels (and the gather) serve instead.
+    cache_dir: Path = field(default_factory=cache_dir_from_env)
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, RUN_DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("group_size", self.group_size, QUANT_GROUP_SIZES)
+        check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
+        if self.gguf_path is not None and (self.quantization != "none"
+                                           or self.dtype != "float32"):
+            raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.dense_min_rows < AUTO:
+            raise ValueError("block_size and max_num_seqs must be positive, "
+                             "dense_min_rows >= -1")
+
+    @classmethod
+    def from_worker(cls, cfg: WorkerConfig) -> RunnerConfig:
+        """The runner the worker's settings name: the checkpoint found (a GGUF file converted
+        into the cache dir once), the dtype resolved, the KV budget measured now."""
+        from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
+
+        cache = Path(cfg.cache_dir)
+        checkpoint = resolve_checkpoint(cfg.model, cache)
+        dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
+        return cls(
+            model_path=checkpoint,
+            kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
+            dtype=dtype,
+            device=cfg.device,
+            gguf_path=gguf,
+            quantization=cfg.quantization,
+            group_size=cfg.quant_group_size,
+            dense_min_rows=cfg.dense_min_rows,
+            paged_attention=cfg.paged_attention,
+            compile_mode=cfg.compile,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len or None,
+            max_num_seqs=cfg.max_num_seqs,
+            num_threads=cfg.threads or None,
+            cache_dir=cache,
+        )
+
+    @classmethod
+    def from_settings(cls, model: str | Path, **settings: object) -> RunnerConfig:
+        """What a worker started with these settings (WorkerConfig fields, e.g. dtype="auto",
+        kv_cache_mb=256) would build, with KESTREL_CACHE_DIR as its cache dir unless given:
+        how benchmarks and tools get their runner."""
+        settings.setdefault("cache_dir", str(cache_dir_from_env()))
+        return cls.from_worker(WorkerConfig(model=str(model), **settings))  # type: ignore[arg-type]
+
+    def for_draft(self, checkpoint: Path) -> RunnerConfig:
+        """A speculative draft model's runner beside this one: the same device, dtype, KV
+        budget (so --kv-cache-memory bounds the draft's cache as it does the target's), block
+        size, attention path and cache dir; its own float checkpoint, eager, at its own context."""
+        return replace(self, model_path=Path(checkpoint), gguf_path=None, quantization="none",
+                       dense_min_rows=AUTO, compile_mode="off", max_model_len=None,
+                       num_threads=None)

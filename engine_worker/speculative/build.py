@@ -1,0 +1,40 @@
+"""The worker's speculative decoder, built from its settings and its runner's config.
+
+    WorkerConfig --build_spec_decoder(cfg, runner)--> None (off) | SpecDecoder(NgramProposer)
+                                                    | SpecDecoder(DraftModelProposer(draft runner))
+
+The draft runner's config is the target's (`runner.runner_config.for_draft`): the same device,
+dtype, block size, attention path, cache dir and KV budget, that is --kv-cache-memory (or
+--kv-cache-mb) as resolved once at start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine_worker.config import WorkerConfig
+from engine_worker.model_runner import ModelRunner
+from engine_worker.speculative.decoder import Proposer, SpecDecoder
+from engine_worker.speculative.ngram import NgramProposer
+
+
+def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | None:
+    """The worker's speculative decoder from its settings (None: --speculative-method off)."""
+    if cfg.speculative_method == "off":
+        return None
+    proposer: Proposer
+    if cfg.speculative_method == "ngram":
+        proposer = NgramProposer()
+    else:
+        from engine_worker.model.loader import resolve_checkpoint
+        from engine_worker.speculative.draft import DraftModelProposer
+
+        checkpoint = resolve_checkpoint(cfg.draft_model, Path(cfg.cache_dir))
+        draft = ModelRunner(runner.runner_config.for_draft(checkpoint))
+        if draft.config.vocab_size != runner.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
+                             f"the served model's ({runner.config.vocab_size})")
+        proposer = DraftModelProposer(draft)
+    return SpecDecoder(proposer, cfg.num_speculative_tokens,
+                       max_batch=cfg.speculative_max_batch,
+                       min_acceptance=cfg.speculative_min_acceptance)
