@@ -169,11 +169,13 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     in float32 (tensor by tensor division: torch's scalar forms multiply by a reciprocal)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1)
+    finite = torch.isfinite(xb).all(-1)  # a block with NaN or inf: codes 0, scale NaN
+    amax = torch.where(finite[..., None], xb, 0).abs().amax(-1)
     live, c127, zero = amax >= 1e-30, torch.full_like(amax, 127.0), torch.zeros_like(amax)
     d = torch.where(live, amax / c127, zero)  # a block below 1e-30 quantizes to zeros
+    d = torch.where(finite, d, torch.full_like(d, float("nan")))
     inv = torch.where(live, c127 / torch.where(live, amax, c127), zero)
-    codes = torch.round(xb * inv[..., None])
+    codes = torch.round(torch.where(finite[..., None], xb, 0) * inv[..., None])
     return (codes.to(torch.int8).reshape(m, k), d, codes.sum(-1).to(torch.int32))
 
 

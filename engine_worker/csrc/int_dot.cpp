@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -98,13 +99,23 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
   for (int64_t rb = 0; rb < m * blocks; ++rb) {
     const float* xb = x + rb * kBlock;  // rows are contiguous, K a multiple of 32
     float amax = 0.f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    bool finite = true;
+    for (int j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    int8_t* qb = a.q.data() + rb * kBlock;
+    if (!finite) {  // NaN or inf in x: the row's outputs are NaN, as a float matmul's would be
+      std::memset(qb, 0, kBlock);
+      a.d[rb] = a.s[rb] = std::numeric_limits<float>::quiet_NaN();
+      a.sum[rb] = 0;
+      continue;
+    }
     // a block below 1e-30 (zero, or so small that 127/amax would overflow) quantizes to zeros
     const bool live = amax >= 1e-30f;
     const float d = live ? amax / 127.f : 0.f;
     const float id = live ? 127.f / amax : 0.f;
     int32_t sum = 0;
-    int8_t* qb = a.q.data() + rb * kBlock;
     for (int j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * id));  // ties to even
       qb[j] = static_cast<int8_t>(v);

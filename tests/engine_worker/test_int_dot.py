@@ -124,10 +124,20 @@ def test_row_result_does_not_depend_on_the_batch(kernel: None, fmt: str) -> None
         assert torch.equal(int_dot.mm(p, x[lo:hi].contiguous()), full[lo:hi])
 
 
-def test_zero_rows_give_zeros(kernel: None) -> None:
+def test_zero_rows_give_zeros_and_nan_stays_in_its_row(kernel: None) -> None:
     for fmt in int_dot.FORMATS:
         p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
         assert not int_dot.mm(p, torch.zeros(3, 64)).any()
+        x = _x(3, 64, 2)
+        x[0, 40], x[2, 3] = float("nan"), float("inf")
+        y = int_dot.mm(p, x)
+        assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+        assert torch.equal(y[1], int_dot.mm(p, x[1:2].contiguous())[0])
+    codes, d, _ = int_dot.quantize_q8(x)
+    got = torch.ops.kestrel.int_dot_quantize_q8(x)
+    assert torch.equal(got[0], codes) and not codes[0, 32:64].any()
+    torch.testing.assert_close(got[1], d, rtol=0, atol=0, equal_nan=True)
+    assert d[0, 1].isnan() and d[2, 0].isnan() and not d[1].isnan().any()
 
 
 def test_bad_input_raises_clear_errors(kernel: None) -> None:
