@@ -24,7 +24,7 @@ from engine_worker.kernel_build import KernelUnavailable, _cpu_flags, isa_cap
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
 ROWS = (1, 2, 3, 4, 7, 8, 16)
-SHAPES = ((96, 64), (576, 576), (100, 160))  # (N, K); 100 is not a multiple of the 8-row tile
+SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
 
 
