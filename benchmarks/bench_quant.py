@@ -101,10 +101,10 @@ def tiny_errors(checkpoint: Path, dtype_name: str, mode: str, group: int) -> tup
     """(relative weight error, mean KL) of one config on a tiny random Gaussian model."""
     import torch
 
-    from engine_worker.model.llama import AttnMeta, PrefillSpan
-    from engine_worker.model.loader import load_model
+    from engine_worker.model.attention import AttnMeta, PrefillSpan
     from engine_worker.model.quant import quantize_model
     from engine_worker.model.tiny import make_tiny_checkpoint
+    from engine_worker.model.weights import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp), seed=0, num_layers=4, hidden_size=256,

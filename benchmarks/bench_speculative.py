@@ -32,7 +32,8 @@ import torch
 
 from engine_worker.config import cache_dir_from_env
 from engine_worker.engine import Engine
-from engine_worker.model.loader import resolve_checkpoint, tokenizer_info
+from engine_worker.model.loader import resolve_checkpoint
+from engine_worker.model.tokenizer import tokenizer_info
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.speculative.decoder import SpecDecoder

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from engine_worker.kv_cache import KVCache
-from engine_worker.model.llama import AttnMeta
+from engine_worker.model.attention import AttnMeta
 from engine_worker.step import StepItem
 
 log = logging.getLogger("kestrel.compile")

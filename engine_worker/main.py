@@ -151,7 +151,7 @@ class WorkerLoop:
 
 
 def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
-    from engine_worker.model.loader import tokenizer_info
+    from engine_worker.model.tokenizer import tokenizer_info
 
     names = served_names(cfg.model, checkpoint, cfg.served_names())
     info = tokenizer_info(checkpoint)

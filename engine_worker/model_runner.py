@@ -22,8 +22,8 @@ import torch
 
 from engine_worker.compiled_step import CompiledDecode
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
+from engine_worker.model.attention import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.builder import build_model
-from engine_worker.model.llama import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config
 from engine_worker.model.quant import weight_bytes
 from engine_worker.paged_attention import load_paged_attention

@@ -3,10 +3,9 @@
 Data flow, once per engine step:
 
     chunks = scheduler.schedule(k)           # which tokens of which sequences to compute now
-    logits = runner.execute(items(chunks))   # the engine runs them (engine_worker/engine.py)
-    emitted = sample or accept(logits)       # per chunk: its token(s), or None if not sampling
-    new = scheduler.update(chunks, emitted)  # advance, append, finish, free; the sequences
-                                             # that got tokens (each chunk's num_emitted)
+    emitted = ...                            # the engine executes, then samples or accepts:
+                                             # per chunk its token(s), None if not sampling
+    new = scheduler.update(chunks, emitted)  # advance, append, finish, free: who got tokens
 
 A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its tokens). Each step
 spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence (plus up
@@ -87,11 +86,9 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------------
 
     @staticmethod
-    def make_group(
-        request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> list[Sequence]:
+    def make_group(request_id: str, prompt: list[int], params: SamplingParams) -> list[Sequence]:
         """The `params.n` sequences of one request, grouped so siblings share the prompt."""
-        return SequenceGroup(request_id, prompt_token_ids, params).seqs
+        return SequenceGroup(request_id, prompt, params).seqs
 
     def add(self, seq: Sequence) -> None:
         prompt_len, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
@@ -117,15 +114,9 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every live sequence of a request with reason "abort"; returns them."""
-        seqs = self._by_request.pop(request_id, [])
+        seqs = self.get(request_id)
         for seq in seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self._running.remove(seq)
-                self.block_manager.free(seq)
-            else:
-                self._waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
+            self._finish(seq, "abort")
         return seqs
 
     def abort_seq(self, request_id: str, index: int) -> Sequence | None:
@@ -137,16 +128,7 @@ class Scheduler:
         if seq.group is not None and seq is seq.group.leader and not seq.group.prompt_computed:
             # Its siblings wait for the leader's prompt: ending it first would strand them.
             return None
-        if seq.status is SequenceStatus.RUNNING:
-            self._finish(seq, "abort")
-        else:
-            self._waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
-            live = self._by_request[request_id]
-            live.remove(seq)
-            if not live:
-                del self._by_request[request_id]
+        self._finish(seq, "abort")
         return seq
 
     # -- the step ------------------------------------------------------------------------------
@@ -293,10 +275,14 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a live sequence: out of the batch (its blocks freed) or the queue, forgotten."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self._waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._running.remove(seq)
-        self.block_manager.free(seq)
         live = self._by_request.get(seq.request_id)
         if live is not None:
             live.remove(seq)

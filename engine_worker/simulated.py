@@ -60,7 +60,7 @@ class SimWorkerConfig:
 
 
 def sim_hello(cfg: SimWorkerConfig) -> m.Hello:
-    from engine_worker.model.loader import tokenizer_info  # plain json reads, no torch
+    from engine_worker.model.tokenizer import tokenizer_info  # plain json reads, no torch
 
     info = tokenizer_info(Path(cfg.model))
     return m.Hello(m.PROTOCOL_VERSION, new_worker_id(), cfg.model_id or Path(cfg.model).name,

@@ -25,9 +25,9 @@ import torch
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import LlamaForCausalLM
-from engine_worker.model.loader import load_model
 from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
 from engine_worker.model.quant_group import load_group_gemv
+from engine_worker.model.weights import load_model
 from engine_worker.path_choice import PathChoice, choose_paths, native_bf16
 from engine_worker.runner_config import AUTO, RunnerConfig
 

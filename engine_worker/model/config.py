@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# RoPE variants the model code implements (see llama.py `rope_inv_freq`).
+# RoPE variants the model code implements (see layers.py `rope_inv_freq`).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

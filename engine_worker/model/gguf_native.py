@@ -35,7 +35,8 @@ from torch import nn
 
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.int4 import Int4GroupLinear
-from engine_worker.model.llama import Linear, LlamaForCausalLM
+from engine_worker.model.layers import Linear
+from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 
 log = logging.getLogger("kestrel.gguf")

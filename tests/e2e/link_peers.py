@@ -20,7 +20,7 @@ from protocol.transport import KeyPair
 
 def tiny_hello(model_dir: Path, **overrides: Any) -> m.Hello:
     """The Hello a real worker of `model_dir` sends (its tokenizer and digest), with changes."""
-    from engine_worker.model.loader import tokenizer_info  # no torch: plain json reads
+    from engine_worker.model.tokenizer import tokenizer_info  # no torch: plain json reads
 
     info = overrides.pop("tokenizer", None) or tokenizer_info(model_dir)
     hello = m.Hello(m.PROTOCOL_VERSION, uuid.uuid4().hex, model_dir.name, 256, 4096, 8, info,

@@ -188,7 +188,7 @@ def test_compiled_decode_runs_a_registered_custom_attention_op(
 ) -> None:
     """Attention's decode calling a registered custom op (with a fake implementation) compiles
     into the graph as an extern call, and reads the K/V the same step wrote."""
-    from engine_worker.model.llama import Attention
+    from engine_worker.model.attention import Attention
 
     def grouped(self: Attention, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.gguf_native import load_gguf_model, unpermute_rows
 from engine_worker.model.int4 import Int4GroupLinear
-from engine_worker.model.llama import AttnMeta, LlamaForCausalLM, PrefillSpan
-from engine_worker.model.loader import embedded_gguf_path, load_config, load_model, resolve_dtype
+from engine_worker.model.llama import LlamaForCausalLM
+from engine_worker.model.loader import embedded_gguf_path, load_config, resolve_dtype
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
+from engine_worker.model.weights import load_model
 from tests.engine_worker.gguf_factory import _permute, reference_state, write_gguf
 
 Q = gguf.GGMLQuantizationType

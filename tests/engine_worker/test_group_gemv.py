@@ -12,8 +12,8 @@ import torch
 
 from engine_worker import kernel_build
 from engine_worker.kernel_build import KernelUnavailable
+from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.gguf_native import load_gguf_model
-from engine_worker.model.llama import AttnMeta, PrefillSpan
 from engine_worker.model.loader import load_config
 from engine_worker.model.quant_group import Int8GroupLinear, load_group_gemv
 from engine_worker.model_runner import ModelRunner

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.kv_cache import kv_cache_bytes
+from engine_worker.model.attention import Attention
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.llama import Attention
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem

@@ -20,8 +20,10 @@ import torch
 from tokenizers import Tokenizer
 
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.llama import Linear, rope_inv_freq
-from engine_worker.model.loader import load_model, resolve_checkpoint, tokenizer_info
+from engine_worker.model.layers import Linear, rope_inv_freq
+from engine_worker.model.loader import resolve_checkpoint
+from engine_worker.model.tokenizer import tokenizer_info
+from engine_worker.model.weights import load_model
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from tests.numerics import assert_logits_close
@@ -210,7 +212,7 @@ def test_bf16_argmax_mostly_agrees_smollm2(smollm2_runner: ModelRunner, smollm2_
 def test_load_model_needs_no_transformers(tiny_dir: Path) -> None:
     code = (
         "import sys, torch\n"
-        "from engine_worker.model.loader import load_model\n"
+        "from engine_worker.model.weights import load_model\n"
         f"m = load_model({str(tiny_dir)!r}, torch.float32, 'cpu')\n"
         "assert m.lm_head is None, 'tied checkpoint must reuse the embedding'\n"
         "assert 'transformers' not in sys.modules, 'loading imported transformers'\n"

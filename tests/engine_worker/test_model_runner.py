@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine_worker.kv_cache import kv_cache_bytes
-from engine_worker.model.loader import tokenizer_info
+from engine_worker.model.tokenizer import tokenizer_info
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem

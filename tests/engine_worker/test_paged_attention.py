@@ -20,7 +20,7 @@ import torch
 from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.kv_cache import kv_cache_bytes
-from engine_worker.model.llama import Attention
+from engine_worker.model.attention import Attention
 from engine_worker.model_runner import ModelRunner
 from engine_worker.paged_attention import (
     compiler_missing,

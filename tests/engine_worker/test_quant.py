@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from engine_worker.model.int4 import Int4GroupLinear, pack_int4, unpack_int4
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
-from engine_worker.model.loader import load_model
 from engine_worker.model.quant import pick_group_size, quantize_model, weight_bytes
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
+from engine_worker.model.weights import load_model
 
 HAS_INT8_KERNEL = hasattr(torch, "_weight_int8pack_mm")
 HAS_INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -137,7 +137,7 @@ def test_group_size_fallback_for_576_wide_inputs_is_logged(
 @pytest.mark.parametrize("mode,min_cos", [("int8", 0.999), ("int4", 0.97)])
 def test_quantize_tiny_model_logits(tiny_dir: Path, mode: str, min_cos: float) -> None:
     model = load_model(tiny_dir, torch.float32, "cpu", max_positions=64)
-    from engine_worker.model.llama import AttnMeta, PrefillSpan
+    from engine_worker.model.attention import AttnMeta, PrefillSpan
 
     ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(0))
     meta = AttnMeta(slot_mapping=None, prefills=[PrefillSpan(0, 24, 0)])
@@ -176,7 +176,7 @@ def test_quantize_rejects_unknown_mode_and_group() -> None:
 def test_int8_cosine_on_smollm2_layers(smollm2_dir: Path) -> None:
     """Real weights and real activations: inputs captured at each projection of a prompt."""
     model = load_model(smollm2_dir, torch.float32, "cpu", max_positions=64)
-    from engine_worker.model.llama import AttnMeta, PrefillSpan
+    from engine_worker.model.attention import AttnMeta, PrefillSpan
 
     layers = {n: m for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and n.startswith(("model.layers.0.",
