@@ -10,15 +10,17 @@ sequence (consecutive repeats collapsed); a "return" is an entry into a file the
 visited before and left.
 
 Two walks are counted:
-- the route's walk: what the route's own code (gateway/routes.py) enters, function by function
-  (15 returns before issue 24's refactor)
-  (a resumed coroutine continues a stop already made; it is no new one). This is the path a
-  reader follows: intake -> admit -> route -> stream should read one way. At most MAX_RETURNS.
+- the route's walk: the functions of gateway/routes.py and those its code calls, each counted
+  when entered (a resumed coroutine continues a stop already made; it is no new one). This is
+  the path a reader follows from the handler: intake -> admit -> route -> stream should read one
+  way. At most MAX_RETURNS (15 before issue 24's refactor, 8 after).
 - the full walk: every call event at any depth, coroutine resumptions and the three token
   frames included. It is dominated by nested helpers and by the per-token loop (generation ->
   detokenize -> tokenizer -> formatter, once a frame), so it is held to what it is now
   (FULL_WALK_RETURNS) rather than to the route's bound.
 """
+
+from __future__ import annotations
 
 import asyncio
 import os
