@@ -26,7 +26,8 @@ class Formatter:
         self.tool_plan = req.tool_plan  # chat with callable tools (gateway/tools.py)
         self.gen = gen
         self.id = self.id_prefix + gen.request_id
-        self.created = int(time.time())
+        # when the request arrived (a streamed request may have waited in the queue since)
+        self.created = int(time.time() - (time.monotonic() - req.arrival))
         n = gen.params.n
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list[list]] = [[] for _ in range(n)]

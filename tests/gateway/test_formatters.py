@@ -82,6 +82,7 @@ def test_chat_response_and_its_stream_say_the_same(smollm2_info: m.TokenizerInfo
     out = collect(fmt, events)
     assert out["object"] == "chat.completion" and out["id"] == "chatcmpl-rid-1"
     assert out["model"] == "tiny" and isinstance(out["created"], int)
+    assert abs(out["created"] - time.time()) <= 2  # the request's arrival, in Unix seconds
     assert [c["index"] for c in out["choices"]] == [0, 1]
     for choice in out["choices"]:
         assert choice["message"] == {"role": "assistant", "content": " Paris."}
