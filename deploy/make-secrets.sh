@@ -3,7 +3,10 @@
 #   deploy/make-secrets.sh deploy/secrets              # for docker compose
 #   deploy/make-secrets.sh deploy/k8s/base/secrets     # for kubectl apply -k (secretGenerator)
 #
-#   DIR/api_keys                      one random API key (add more, one per line)
+#   DIR/api_keys                      one random API key (add more, one per line), and the
+#                                     metrics key below
+#   DIR/metrics_api_key               Prometheus' key for /metrics (compose only): the gateway
+#                                     wants a key there whenever API keys are set
 #   DIR/grafana_admin_password        Grafana's admin password (compose only)
 #   DIR/link/gateway.key_secret       the gateway's CURVE secret key
 #   DIR/link/gateway.key              its public key, given to the workers
@@ -34,6 +37,10 @@ keypair() {  # NAME: writes $dir/link/NAME.key and NAME.key_secret
 }
 
 [ -e "$dir/api_keys" ] || { printf 'sk-kestrel-%s\n' "$(random_token)" > "$dir/api_keys"; }
+if [ ! -e "$dir/metrics_api_key" ]; then  # its own line in api_keys, so it can be revoked alone
+  printf 'sk-kestrel-metrics-%s\n' "$(random_token)" > "$dir/metrics_api_key"
+  cat "$dir/metrics_api_key" >> "$dir/api_keys"
+fi
 [ -e "$dir/grafana_admin_password" ] || random_token > "$dir/grafana_admin_password"
 keypair gateway
 keypair worker

@@ -66,7 +66,10 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Models, workers, devices and queue figures: an API key's business when keys are set."""
     state = _state(request)
+    if not state.cfg.open_metrics:
+        state.auth.check_key(request)
     return JSONResponse(state.health(), status_code=200 if state.ready else 503)
 
 
@@ -82,7 +85,7 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    if state.cfg.protect_metrics:
+    if not state.cfg.open_metrics:  # per-worker cache counters help a tenant probe another
         state.auth.check_key(request)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -25,7 +25,9 @@ class GatewayConfig:
     api_keys: str = setting("", "API keys, comma-separated (--api-key: one a flag, repeated); "
                             "empty: no auth", flags=("--api-key",), repeat="append")
     api_key_file: str = setting("", "file with one API key per line")
-    protect_metrics: bool = setting(False, "require an API key for /metrics too")
+    open_metrics: bool = setting(False, "with API keys set, still serve /metrics and /health "
+                                 "without one (a scraper on a private network); /health/live "
+                                 "and /health/ready never need a key")
     rate_limit_rps: float = setting(0.0, "per-client requests per second (0: off)")
     rate_limit_burst: int = setting(10, "per-client burst size")
     forwarded_allow_ips: str = setting(
@@ -51,6 +53,9 @@ class GatewayConfig:
                                    "on authentication and encryption of the engine link")
     link_authorized_keys: str = setting("", "folder of the public certificates (.key) of the "
                                         "workers allowed to join")
+    insecure_link: bool = setting(False, "allow a TCP engine link without CURVE keys: any "
+                                  "process that reaches its port, on this host or not, can join "
+                                  "as a worker, read prompts and write answers")
     routing: str = setting("cache_aware", "worker choice: cache_aware (load and prefix blocks "
                            "held) or least_loaded")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
@@ -88,6 +93,17 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")
+
+    def link_problem(self) -> str | None:
+        """Why the engine link must not start as set (None: it may). Checked by the processes
+        that bind it, not here: a config is also built where nothing binds."""
+        if self.engine_address.startswith("tcp://") and not self.link_secret_key \
+                and not self.insecure_link:
+            return (f"engine_address {self.engine_address} is a TCP link without CURVE keys: any "
+                    "process that reaches it can join as a worker. Give --link-secret-key and "
+                    "--link-authorized-keys (kestrel-keygen makes them), an ipc:// address, or "
+                    "--insecure-link to accept the risk")
+        return None
 
     @property
     def rendered_prompt_limit(self) -> int:

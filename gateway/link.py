@@ -45,10 +45,12 @@ class EngineLink:
             self._auth = AsyncioAuthenticator(self._ctx)
             self._auth.start()
             self._auth.configure_curve(domain="*", location=self.authorized_keys)
-        elif not is_loopback(self.address):
-            log.warning("the engine link binds %s without CURVE keys: anyone who reaches it can "
-                        "join as a worker (pass --link-secret-key and --link-authorized-keys)",
-                        self.address)
+        elif self.address.startswith("tcp://"):
+            where = "this host" if is_loopback(self.address) else "the network"
+            log.warning("the engine link binds %s without CURVE keys (--insecure-link): any "
+                        "process on %s that reaches it can join as a worker, read prompts and "
+                        "write answers (pass --link-secret-key and --link-authorized-keys)",
+                        self.address, where)
         self._sock = self._ctx.socket(zmq.ROUTER)
         configure_router(self._sock, self.keys)
         self._sock.bind(self.address)

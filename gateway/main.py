@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from typing import Any
 
 import uvicorn
@@ -72,7 +73,12 @@ def run(cfg: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse(argv))
+    cfg = parse(argv)
+    problem = cfg.link_problem()
+    if problem is not None:
+        print(f"kestrel-gateway: error: {problem}", file=sys.stderr)
+        return 2
+    run(cfg)
     return 0
 
 

@@ -130,6 +130,9 @@ def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None =
         fixed["engine_address"] = f"ipc://{link_dir(environ) / f'engine-{port}.sock'}"
     gateway = settings_from(GatewayConfig, args, environ, error, dest_prefix="gateway.",
                             extra_env=GATEWAY_ENV, fixed=fixed)
+    problem = gateway.link_problem()
+    if problem is not None:
+        error(problem)
     worker = settings_from(WorkerConfig, args, environ, error, dest_prefix="worker.",
                            fixed={"gateway_address": gateway.engine_address})
     return gateway, worker

@@ -95,8 +95,10 @@ class GatewayProc(Proc):
         self.port = free_port()
         self.engine_address = f"tcp://127.0.0.1:{free_port()}"
         self.base_url = f"http://127.0.0.1:{self.port}"
+        # Loopback TCP without link keys must be asked for by name (issue 23).
+        insecure = [] if "--link-secret-key" in flags else ["--insecure-link"]
         args = [python, "-m", "gateway.main", "--port", str(self.port),
-                "--engine-address", self.engine_address, *flags]
+                "--engine-address", self.engine_address, *insecure, *flags]
         super().__init__(args, env)
 
     def wait_ready(self, timeout: float = 120) -> None:

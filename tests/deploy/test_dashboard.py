@@ -5,13 +5,18 @@ exports, and the provisioning files, docker-compose.yml and prometheus.yml agree
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.compose_files import project
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 GRAFANA = DEPLOY / "grafana"
@@ -99,3 +104,21 @@ def test_provisioning_compose_and_prometheus_agree() -> None:
     [target] = job["static_configs"][0]["targets"]
     host, port = target.split(":")
     assert host in services and services[host]["environment"]["PORT"] == port
+
+
+def test_prometheus_scrapes_with_a_key_the_gateway_accepts(tmp_path: Path) -> None:
+    """Issue 23: with API keys set, /metrics wants one. Prometheus reads its key from a secret
+    compose gives it, and make-secrets.sh puts that same key among the gateway's API keys."""
+    yaml = pytest.importorskip("yaml")
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text(encoding="utf-8"))
+    [job] = prom["scrape_configs"]
+    auth = job["authorization"]
+    assert auth["type"] == "Bearer"
+    secret = auth["credentials_file"].removeprefix("/run/secrets/")
+    services = project()["services"]
+    assert secret in services["prometheus"]["secrets"]
+    subprocess.run(["bash", str(DEPLOY / "make-secrets.sh"), str(tmp_path / "s")], check=True,
+                   capture_output=True, env={**os.environ, "PYTHON": sys.executable})
+    key = (tmp_path / "s" / secret).read_text().strip()
+    api_keys = (tmp_path / "s" / "api_keys").read_text().split()
+    assert key and key in api_keys and len(api_keys) == 2  # the users' key and Prometheus'

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import ROOT, GatewayProc, WorkerProc, free_port
 
 # One torch thread per worker: on a small shared machine more threads only contend (tests run
 # about twice as fast under load).
@@ -174,7 +175,7 @@ def test_prompt_token_ids_outside_the_vocabulary_get_400(server: Any) -> None:
 
 # ---- 401, 404, 405, 413 ------------------------------------------------------------------------
 
-def test_keys_guard_every_v1_route_but_not_health_or_metrics(server: Any) -> None:
+def test_keys_guard_every_v1_route_health_details_and_metrics_not_liveness(server: Any) -> None:
     gw, _, _ = server
     with httpx.Client(base_url=gw.base_url, timeout=10) as anon:
         for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
@@ -187,8 +188,11 @@ def test_keys_guard_every_v1_route_but_not_health_or_metrics(server: Any) -> Non
                 err = error_of(resp, 401)
                 assert err["type"] == "authentication_error"
                 assert resp.headers["www-authenticate"] == "Bearer"
-        for path in ["/health", "/health/live", "/health/ready", "/metrics", "/v1/metrics"]:
+        for path in ["/health/live", "/health/ready"]:
             assert anon.get(path).status_code == 200, path
+        for path in ["/health", "/metrics", "/v1/metrics"]:  # issue 23: a key's business
+            assert error_of(anon.get(path), 401)["type"] == "authentication_error", path
+            assert anon.get(path, headers=AUTH).status_code == 200, path
         models = anon.get("/v1/models", headers={"Authorization": "Bearer other-key"})
         assert models.status_code == 200 and models.json()["data"]
 
@@ -349,8 +353,8 @@ def test_a_stream_past_its_deadline_ends_with_finish_reason_timeout(cold_server:
 # ---- 429 from the rate limit, and keys on /metrics: no worker needed ---------------------------
 
 def test_rate_limit_per_key_with_retry_after_from_the_bucket() -> None:
-    with GatewayProc("--api-keys", "a,b", "--rate-limit-rps", "0.2", "--rate-limit-burst", "2",
-                     "--protect-metrics") as gw:
+    with GatewayProc("--api-keys", "a,b", "--rate-limit-rps", "0.2",
+                     "--rate-limit-burst", "2") as gw:
         gw.wait_live()
         with httpx.Client(base_url=gw.base_url, timeout=10) as http:
             def post(key: str) -> httpx.Response:
@@ -366,10 +370,37 @@ def test_rate_limit_per_key_with_retry_after_from_the_bucket() -> None:
             assert 4 <= int(resp.headers["retry-after"]) <= 5
             assert 3000 < int(resp.headers["retry-after-ms"]) <= 5000
             assert post("b").status_code == 503  # another key has its own bucket
-            for path in ["/metrics", "/v1/metrics"]:  # --protect-metrics: a key, no /v1 rule
+            # With keys set, /metrics and /health's details need one (issue 23: its per-worker
+            # cache counters help a tenant probe another's prompts); no /v1 rule.
+            for path in ["/metrics", "/v1/metrics", "/health"]:
                 error_of(http.get(path), 401)
-                assert http.get(path, headers={"Authorization": "Bearer b"}).status_code == 200
-            assert http.get("/health/live").status_code == 200
+                assert http.get(path, headers={"Authorization": "Bearer b"}).status_code in (
+                    200, 503)  # /health: 503 with no worker, but answered
+            for path in ["/health/live", "/health/ready"]:  # a load balancer has no key
+                assert http.get(path).status_code in (200, 503)
+                assert "workers" not in http.get(path).json()
+
+
+def test_an_operator_may_open_metrics_and_health_to_a_scraper_without_a_key() -> None:
+    with GatewayProc("--api-keys", "a", "--open-metrics") as gw:
+        gw.wait_live()
+        with httpx.Client(base_url=gw.base_url, timeout=10) as http:
+            assert "kestrel_" in http.get("/metrics").text
+            assert "workers" in http.get("/health").json()
+            error_of(http.post("/v1/completions", json={"prompt": "hi"}), 401)  # the API is not
+
+
+def test_a_keyless_tcp_link_is_refused_unless_asked_for_by_name() -> None:
+    """Issue 23: without link keys, any process that reaches the port joins as a worker."""
+    port = free_port()
+    base = [sys.executable, "-m", "gateway.main", "--port", str(free_port()),
+            "--engine-address", f"tcp://127.0.0.1:{port}"]
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode == 2
+    assert "--insecure-link" in refused.stderr and "Traceback" not in refused.stderr
+    with GatewayProc("--insecure-link") as gw:  # asked for: it starts, and says what it risks
+        gw.wait_live()
+        assert any("without CURVE keys" in e.get("msg", "") for e in gw.log_lines())
 
 
 def test_rate_limit_per_address_when_keys_are_off() -> None:

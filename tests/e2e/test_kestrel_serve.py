@@ -222,8 +222,7 @@ def test_help_groups_flags_by_process() -> None:
 
 
 def test_a_worker_that_cannot_load_its_model_stops_the_server(tmp_path: Path) -> None:
-    done = run_serve(str(tmp_path / "missing"), "--port", str(free_port()),
-                     "--engine-address", f"tcp://127.0.0.1:{free_port()}")
+    done = run_serve(str(tmp_path / "missing"), "--port", str(free_port()))
     assert done.returncode == 1, done.stderr[-2000:]
 
 

@@ -12,7 +12,8 @@ from kestrel.serve import parse, private_dir
 
 def test_flags_reach_the_right_process_and_shared_ones_both() -> None:
     gw, wk = parse(["/m", "--api-key", "k", "--max-num-seqs", "3", "--log-level", "DEBUG",
-                    "--engine-address", "tcp://127.0.0.1:6001", "--port", "9001"], {})
+                    "--engine-address", "tcp://127.0.0.1:6001", "--port", "9001",
+                    "--insecure-link"], {})
     assert gw.keys() == {"k"} and gw.port == 9001 and wk.max_num_seqs == 3 and wk.model == "/m"
     assert gw.log_level == wk.log_level == "DEBUG"
     assert wk.gateway_address == gw.engine_address == "tcp://127.0.0.1:6001"
@@ -25,8 +26,14 @@ def test_the_default_link_is_a_private_ipc_socket_per_port(tmp_path) -> None:
     assert gw.engine_address == wk.gateway_address == f"ipc://{tmp_path}/kestrel/engine-9002.sock"
     gw, _ = parse(["/m"], {"XDG_RUNTIME_DIR": str(tmp_path), "PORT": "9003"})
     assert gw.engine_address.endswith("/kestrel/engine-9003.sock")
-    gw, _ = parse(["/m"], {"KESTREL_ENGINE_ADDRESS": "tcp://127.0.0.1:6002"})
+    gw, _ = parse(["/m", "--insecure-link"], {"KESTREL_ENGINE_ADDRESS": "tcp://127.0.0.1:6002"})
     assert gw.engine_address == "tcp://127.0.0.1:6002"  # asked for by name: kept
+
+
+def test_a_keyless_tcp_link_must_be_asked_for_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["/m", "--engine-address", "tcp://127.0.0.1:6003"], {})
+    assert exc.value.code == 2 and "--insecure-link" in capsys.readouterr().err
 
 
 def test_a_link_folder_of_another_user_or_open_to_others_is_refused_or_closed(tmp_path) -> None:
