@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from gateway import errors, routes
 from gateway.config import GatewayConfig
+from gateway.offload import LoopLag
 from gateway.openapi import build_openapi
 from gateway.service import GatewayState
 
@@ -29,9 +30,11 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.loop = asyncio.get_running_loop()
         await state.client.start()
+        lag = asyncio.create_task(LoopLag(state.metrics.loop_lag.observe).watch(), name="loop-lag")
         try:
             yield
         finally:
+            lag.cancel()
             await state.client.close()
             if state.accounting.tracer is not None:
                 state.accounting.tracer.shutdown()  # flush the last spans

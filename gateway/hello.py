@@ -10,10 +10,10 @@ The caller (gateway.membership) sends the Welcome or the refusal and admits the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, replace
 
+from gateway import offload
 from gateway.registry import Registry, check_hello
 from gateway.tokenizer import GatewayTokenizer
 from protocol import codec
@@ -38,18 +38,18 @@ class Refused:
 
 async def vet_hello(registry: Registry, body: list[bytes]) -> Vetted | Refused:
     """Raises codec.DecodeError for frames that are not a Hello at all."""
-    hello = await asyncio.to_thread(codec.decode, body)
+    hello = await offload.run("hello", codec.decode, body)
     if not isinstance(hello, m.Hello):
         raise codec.DecodeError("not a Hello")
     reason = check_hello(hello)
     if reason is not None:
         return Refused("(unnamed)", reason)
-    digest = await asyncio.to_thread(codec.tokenizer_digest, hello.tokenizer)
+    digest = await offload.run("hello", codec.tokenizer_digest, hello.tokenizer)
     reason = registry.refuse_reason(hello, digest)
     tokenizer = None
     if reason is None and hello.model_id not in registry.models:
         try:
-            tokenizer = await asyncio.to_thread(GatewayTokenizer.from_info, hello.tokenizer)
+            tokenizer = await offload.run("hello", GatewayTokenizer.from_info, hello.tokenizer)
         except Exception as exc:  # the peer's data, not our bug: one line, no traceback
             reason = f"tokenizer did not load: {type(exc).__name__}"
             log.debug("tokenizer of a Hello for %s: %s: %s", hello.model_id,

@@ -14,7 +14,6 @@ EngineRequest is what gateway.admit sends and what the formatters render from.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,10 +22,11 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from gateway import offload
 from gateway.body import read_json
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ModelEntry
-from gateway.errors import APIError, validation_error
+from gateway.errors import APIError, too_many_requests, validation_error
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -135,12 +135,14 @@ class Intake:
         except RequestLimitError as exc:
             raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
         # Structured output / tool grammar: a bad one is a 400 before anything is tokenized.
-        grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None)
+        grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None, key)
         model = self.model(body.model)
         try:
-            ids = await asyncio.to_thread(encode, model.tokenizer)
+            ids = await offload.run("tokenize", encode, model.tokenizer)
         except ChatTemplateError as exc:
             raise APIError(400, f"chat template: {exc}", param="messages") from None
+        except offload.Busy as exc:
+            raise too_many_requests(str(exc), "server_busy", 1.0) from None
         if not ids:
             raise APIError(422, "the prompt has no tokens", param="prompt", code="invalid_value")
         vocab = model.tokenizer.vocab_size

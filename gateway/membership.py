@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway import offload
 from gateway.hello import Refused, vet_hello
 from gateway.link import EngineLink
 from gateway.registry import Registry, WorkerState
@@ -55,6 +56,9 @@ class Membership:
             return
         try:
             vetted = await vet_hello(self.registry, body)
+        except offload.Busy:  # vetting is full: the worker says Hello again in a second
+            log.debug("Hello from a peer left for later: vetting is busy")
+            return
         except codec.DecodeError as exc:
             log.warning("dropped a Hello that did not decode: %s", exc)
             await self.link.send(identity, m.ProtocolError(f"gateway could not decode: {exc}"))

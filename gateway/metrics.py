@@ -179,6 +179,8 @@ class Metrics:
         self.service_time = Gauge(
             f"{NS}_admission_service_seconds", "how long a request held its slot lately (EWMA), "
             "added to the expected wait when admission checks a deadline", registry=r)
+        self.loop_lag = latency("event_loop_lag", "how late the gateway's event loop ran a timer "
+                                "due every 100 ms: time it spent on something that blocked it")
         r.register(WorkerCollector(workers))
 
     def render(self) -> bytes:

@@ -21,14 +21,14 @@ Lark (llguidance's dialect) or GBNF (llama.cpp's), told apart by GBNF's `::=`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from typing import Any
 
 from llguidance import LLMatcher, grammar_from
 
-from gateway.errors import APIError
+from gateway import offload
+from gateway.errors import APIError, too_many_requests
 
 COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}  # separators "," and ":" only
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -113,7 +113,8 @@ def build_checked(kind: str, value: Any) -> str:
     return grammar
 
 
-async def request_grammar(body: Any, tools_lark: str | None = None) -> str | None:
+async def request_grammar(body: Any, tools_lark: str | None = None,
+                          client: str | None = None) -> str | None:
     """The one validated grammar for this request (None: free text), or an APIError 400."""
     sources = _sources(body)
     if tools_lark is not None:
@@ -131,7 +132,11 @@ async def request_grammar(body: Any, tools_lark: str | None = None) -> str | Non
                        code="invalid_value")
     param, (kind, value) = sources[0]
     try:
-        return await asyncio.to_thread(build_checked, kind, value)
+        # Its own bounded pool, one at a time per client (gateway/offload.py): a flood of huge
+        # schemas waits for itself, not in front of other requests' tokenizing.
+        return await offload.run("grammar", build_checked, kind, value, client=client)
+    except offload.Busy as exc:
+        raise too_many_requests(str(exc), "server_busy", 1.0) from None
     except ValueError as exc:
         raise APIError(400, f"invalid {param}: {summarize(str(exc))}", param=param,
                        code="invalid_response_format") from None

@@ -20,6 +20,7 @@ text is byte-for-byte what the model was trained and evaluated with.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -86,6 +87,31 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _TemplateLate(Exception):
+    """Raised inside a template's own code when its render passes its deadline."""
+
+
+def _stop_template_at(deadline: float) -> Any:
+    """A trace function for the rendering thread that follows only the template's compiled
+    code ("<template>") and raises _TemplateLate in it once `deadline` has passed: a loop that
+    writes nothing (`{% for i in range(n) %}{% for j in range(n) %}{% endfor %}...`) is stopped
+    too, where a check between written pieces never runs. The clock is read every 256 lines."""
+    lines = 0
+
+    def in_template(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if not lines & 255 and time.monotonic() > deadline:
+                raise _TemplateLate
+        return in_template
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return in_template if frame.f_code.co_filename == "<template>" else None
+
+    return on_call
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:
@@ -235,13 +261,16 @@ class GatewayTokenizer:
             )
             if value is not None
         }
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        previous = sys.gettrace()
+        if deadline is not None:
+            sys.settrace(_stop_template_at(deadline))  # this thread only
         try:
             # Rendered piece by piece, so that a template that writes far more than the messages
-            # say (scaffolding around thousands of empty messages) or loops for long is stopped
-            # as it goes, not after. A loop that writes nothing is bounded by the sandbox's range
-            # limit, and the whole render runs in a worker thread, off the event loop.
+            # say (scaffolding around thousands of empty messages) is stopped as it goes, not
+            # after; one that loops without writing is stopped by the trace at its deadline.
             pieces: list[str] = []
-            size, start = 0, time.monotonic()
+            size = 0
             # jinja2's Template.generate: the template's text as a stream of pieces (no model
             # is involved; the gateway never runs one).
             for piece in self._template.generate(
@@ -259,11 +288,13 @@ class GatewayTokenizer:
                     raise RenderedPromptTooLong(
                         f"the rendered prompt is over {max_chars} characters (the chat template "
                         "adds text around every message, including empty ones)")
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise ChatTemplateError(f"rendering took over {timeout_s} s")
             return "".join(pieces)
         except ChatTemplateError:
             raise
+        except _TemplateLate:
+            raise ChatTemplateError(f"rendering took over {timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - a template is model-supplied code; any error
             # while rendering is the conversation not fitting it (a missing key, a wrong type).
             raise ChatTemplateError(f"chat template failed on this conversation: {exc}") from exc
+        finally:
+            sys.settrace(previous)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -193,3 +195,26 @@ def test_sandbox_refuses_underscore_attributes(smollm2_info: TokenizerInfo) -> N
     ns = _with_template(smollm2_info, "{% set ns = namespace(_x=1) %}{{ ns._x }}")
     with pytest.raises(ChatTemplateError):
         ns.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+SILENT_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                "{% endfor %}")
+
+
+def test_a_template_that_loops_without_writing_stops_at_its_deadline(
+        smollm2_info: TokenizerInfo) -> None:
+    """Issue 23: the time bound was checked only when the template wrote something, so nested
+    loops that print nothing held a thread (and, six of them, every request) for hours."""
+    tok = GatewayTokenizer.from_info(dataclasses.replace(smollm2_info,
+                                                         chat_template=SILENT_LOOPS))
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="took over 0.3 s"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+    assert sys.gettrace() is None  # the thread's trace is given back
+
+
+def test_the_deadline_leaves_an_ordinary_render_alone(smollm2: GatewayTokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert smollm2.apply_chat_template(messages, timeout_s=5.0) == \
+        smollm2.apply_chat_template(messages)

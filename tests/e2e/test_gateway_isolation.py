@@ -1,0 +1,94 @@
+"""Issue 23, end to end: a hostile chat template from a worker's Hello stalls nothing else.
+
+A peer joins as the worker of model "evil" whose chat template loops without writing
+(`{% for i in range(100000) %}{% for j in range(100000) %}...`). Seven chat requests for it
+used to hold every tokenizing thread for hours: every later request to every model hung,
+/health/live took up to 1.4 s and SIGTERM no longer ended the gateway. Now each render stops at
+--template-timeout-s (a 400), the real model's requests are answered meanwhile, liveness stays
+quick, and SIGTERM ends the gateway within its drain timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from protocol import messages as m
+from tests.e2e.link_peers import FakeWorker, tiny_hello
+from tests.procs import GatewayProc, WorkerProc
+
+SILENT_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                "{% endfor %}")
+TEMPLATE_TIMEOUT_S = 0.5
+DRAIN_S = 2.0
+
+
+@pytest.fixture()
+def evil_and_real(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]:
+    with GatewayProc("--template-timeout-s", str(TEMPLATE_TIMEOUT_S),
+                     "--drain-timeout-s", str(DRAIN_S)) as gw, \
+            WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1") as wk:
+        gw.wait_ready()
+        peer = FakeWorker(gw.engine_address)
+        info = tiny_hello(tiny_model_dir).tokenizer
+        hello = tiny_hello(tiny_model_dir, model_id="evil",
+                           tokenizer=dataclasses.replace(info, chat_template=SILENT_LOOPS))
+        assert peer.hello(hello) is not None
+        stop = threading.Event()
+
+        def heartbeats() -> None:  # a live worker, as far as the gateway can tell
+            while not stop.wait(0.2):
+                peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
+
+        beat = threading.Thread(target=heartbeats, daemon=True)
+        beat.start()
+        try:
+            yield gw, wk
+        finally:
+            stop.set()
+            beat.join()
+            peer.close()
+
+
+def chat(base_url: str, model: str) -> httpx.Response:
+    return httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_a_template_that_never_ends_stalls_no_other_request_and_not_shutdown(
+        evil_and_real: tuple[GatewayProc, WorkerProc], tiny_model_dir: Path) -> None:
+    gw, _ = evil_and_real
+    with ThreadPoolExecutor(8) as pool:
+        start = time.monotonic()
+        evil = [pool.submit(chat, gw.base_url, "evil") for _ in range(7)]
+        time.sleep(0.1)  # the evil renders hold the tokenizing threads now
+        live = []
+        for _ in range(10):
+            t = time.monotonic()
+            assert httpx.get(gw.base_url + "/health/live", timeout=10).status_code == 200
+            live.append(time.monotonic() - t)
+        real = chat(gw.base_url, tiny_model_dir.name)
+        assert real.status_code == 200, real.text
+        answers = [f.result(timeout=60) for f in evil]
+        took = time.monotonic() - start
+    for resp in answers:
+        assert resp.status_code == 400, resp.text
+        assert "took over" in resp.json()["error"]["message"]
+    # 7 renders on 2 tokenizing threads, each stopped at its deadline
+    assert took < 4 * TEMPLATE_TIMEOUT_S + 5, took
+    assert max(live) < 0.5, live
+    lag = [line for line in gw.metrics().splitlines()
+           if line.startswith("kestrel_event_loop_lag_seconds_count")]
+    assert lag and float(lag[0].split()[-1]) > 0  # the loop's lateness is measured
+    start = time.monotonic()
+    gw.signal(signal.SIGTERM)
+    assert gw.popen is not None and gw.popen.wait(timeout=DRAIN_S + 5) == 0
+    assert time.monotonic() - start < DRAIN_S + 5
