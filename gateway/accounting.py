@@ -80,7 +80,7 @@ class Accounting:
         if gen.handle is not None and status == 200 and set(gen.finish_reasons) <= {
                 "stop", "length"}:  # it ran its course: its rates are the worker's
             worker = gen.handle.worker
-            self.service_times.observe(worker.hello.worker_id, max(1, worker.stats.running),
+            self.service_times.observe(worker.hello.worker_id, max(1, gen.handle.peak_batch),
                                        prompt_tokens, t.since_scheduled_s, tpot)
         mx.e2e.observe(now - arrival)
         mx.prompt_tokens.inc(prompt_tokens)

@@ -103,9 +103,11 @@ class EngineClient:
     def load(self, model_id: str) -> list[tuple[str, int]]:
         """(worker id, sequences it runs for us now) for the ready workers of the model: our
         own count (each request's n), not the heartbeat's, which may be a second old."""
+        return [(w.hello.worker_id, self._sequences(w)) for w in self.registry.candidates(model_id)]
+
+    def _sequences(self, worker: WorkerState) -> int:
         reqs = self.requests
-        return [(w.hello.worker_id, sum(reqs[r].gen.params.n for r in w.inflight if r in reqs))
-                for w in self.registry.candidates(model_id)]
+        return sum(reqs[r].gen.params.n for r in worker.inflight if r in reqs)
 
     def serves(self, model_id: str) -> bool:
         """Whether a ready (not draining) worker serves the model right now."""
@@ -156,6 +158,13 @@ class EngineClient:
     async def _send_generate(self, handle: RequestHandle, worker: WorkerState) -> None:
         handle.worker = worker
         worker.inflight.add(handle.request_id)
+        # Every request on the worker now runs in a batch at least this large: what its service
+        # time is counted under when it ends (gateway/service_time.py), in the same own count
+        # that admission decides with.
+        batch = self._sequences(worker)
+        for rid in worker.inflight:
+            if (other := self.requests.get(rid)) is not None:
+                other.peak_batch = max(other.peak_batch, batch)
         gen = replace(handle.gen, timeout_s=handle.remaining(), deadline=None)
         if not await self.link.send(worker.identity, gen):
             self._drop_worker(worker, "unreachable")

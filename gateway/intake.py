@@ -71,6 +71,7 @@ class Draft:
     arrival: float  # monotonic
     deadline: float  # monotonic
     stream: bool  # answered as SSE
+    address: str = ""  # the client's address: who it is when API keys are off
 
 
 @dataclass
@@ -114,7 +115,8 @@ class Intake:
         spec = ROUTES[route]
         body = parse_body(spec.schema, data)
         stream = bool(body.stream) if spec.stream is None else spec.stream
-        return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream)
+        address = request.client.host if request.client else ""
+        return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream, address)
 
     def deadline(self, arrival: float, timeout: float | None) -> float:
         """A client's timeout may only shorten the default deadline."""
@@ -135,7 +137,8 @@ class Intake:
         except RequestLimitError as exc:
             raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
         # Structured output / tool grammar: a bad one is a 400 before anything is tokenized.
-        grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None, key)
+        grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None,
+                                        key or draft.address)
         model = self.model(body.model)
         try:
             ids = await offload.run("tokenize", encode, model.tokenizer)

@@ -2,7 +2,8 @@
 
     kind       threads  waiting  per client  what
     tokenize   2        64       -           tokenizing, chat templates (gateway/intake.py)
-    grammar    1        4        1           compiling a structured-output grammar (structured)
+    grammar    1        8        2           compiling a structured-output grammar (structured;
+                                             a schema compiles once: gateway/grammar_cache.py)
     hello      1        4        -           vetting a worker's Hello: its tokenizer (hello)
 
 `await run(kind, fn, *args, client=key)` runs `fn(*args)` on that kind's threads. A job past its
@@ -104,7 +105,7 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
 
 POOLS: dict[str, Pool] = {
     "tokenize": Pool("tokenize", threads=2, waiting=64),
-    "grammar": Pool("grammar", threads=1, waiting=4, per_client=1),
+    "grammar": Pool("grammar", threads=1, waiting=8, per_client=2),
     "hello": Pool("hello", threads=1, waiting=4),
 }
 

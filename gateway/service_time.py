@@ -40,8 +40,11 @@ class WorkerRates:
     prefill_s: float | None = None  # seconds per prompt token
     step_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per decode step
 
-    def step(self, batch: int) -> float | None:
-        """Seconds per decode step with `batch` sequences running; None: nothing measured."""
+    def step(self, batch: int, lower_bound: bool = False) -> float | None:
+        """Seconds per decode step with `batch` sequences running; None: nothing measured.
+        `lower_bound`: the least it could be, for a refusal that must be certain: a bucket
+        borrowed from above is then scaled down as if batching were perfect (a batch of k costs
+        at most k times one row's step), not taken as it is."""
         if not self.step_s:
             return None
         b = bucket(batch)
@@ -49,7 +52,8 @@ class WorkerRates:
             return self.step_s[b]
         above = [k for k in self.step_s if k > b]
         if above:
-            return self.step_s[min(above)]
+            k = min(above)
+            return self.step_s[k] * (b / k if lower_bound else 1.0)
         below = max(self.step_s)
         return self.step_s[below] * math.sqrt(max(1, batch) / below)
 
@@ -80,13 +84,13 @@ class ServiceTimes:
         return self._workers.get(worker)
 
     def estimate(self, workers: Iterable[tuple[str, int]], prompt_tokens: int, max_tokens: int,
-                 extra: int = 1) -> float | None:
+                 extra: int = 1, lower_bound: bool = False) -> float | None:
         """Seconds a request would hold the fastest of `workers` ((id, sequences running now)
         pairs), joining with `extra` sequences of its own; None when no worker is measured."""
         best: float | None = None
         for worker, running in workers:
             rates = self._workers.get(worker)
-            step = rates.step(running + extra) if rates else None
+            step = rates.step(running + extra, lower_bound) if rates else None
             if rates is None or step is None:
                 continue
             seconds = (rates.prefill_s or 0.0) * prompt_tokens + step * max_tokens
@@ -126,17 +130,21 @@ def check_fit(times: ServiceTimes, workers: list[tuple[str, int]], prompt_tokens
     if remaining_s <= 0:
         raise DoesNotFit(f"the request's deadline ({budget_s:.3g} s) passed before it could be "
                          "sent to a worker: raise timeout", idle=True, param="timeout")
-    idle = times.estimate([(w, 0) for w, _ in workers], prompt_tokens, max_tokens, n)
+    # A refusal rests on the least the request could take, never on a figure borrowed from a
+    # busier batch: "not even on an idle worker" is a 400 the client must not retry, and a 429
+    # for a batch size never measured would keep it from ever being measured.
+    idle_workers = [(w, 0) for w, _ in workers]
+    idle = times.estimate(idle_workers, prompt_tokens, max_tokens, n, lower_bound=True)
     if idle is None:
         return
     if idle > budget_s:
-        per_token = times.estimate([(w, 0) for w, _ in workers], 0, 1, n) or 0.0
+        per_token = times.estimate(idle_workers, 0, 1, n, lower_bound=True) or 0.0
         raise DoesNotFit(
             f"max_tokens={max_tokens} cannot finish within this request's deadline of "
             f"{budget_s:.1f} s even on an idle worker (about {idle:.1f} s at the "
             f"{per_token * 1000:.0f} ms a token measured): lower max_tokens or raise timeout",
             idle=True)
-    busy = times.estimate(workers, prompt_tokens, max_tokens, n)
+    busy = times.estimate(workers, prompt_tokens, max_tokens, n, lower_bound=True)
     if busy is not None and wait_s + busy > remaining_s:
         raise DoesNotFit(
             f"at the current load a request of max_tokens={max_tokens} would take about "

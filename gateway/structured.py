@@ -29,6 +29,7 @@ from llguidance import LLMatcher, grammar_from
 
 from gateway import offload
 from gateway.errors import APIError, too_many_requests
+from gateway.grammar_cache import CACHE
 
 COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}  # separators "," and ":" only
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -132,9 +133,11 @@ async def request_grammar(body: Any, tools_lark: str | None = None,
                        code="invalid_value")
     param, (kind, value) = sources[0]
     try:
-        # Its own bounded pool, one at a time per client (gateway/offload.py): a flood of huge
-        # schemas waits for itself, not in front of other requests' tokenizing.
-        return await offload.run("grammar", build_checked, kind, value, client=client)
+        # Compiled once per schema (gateway/grammar_cache.py), on its own bounded pool with a
+        # per-client share (gateway/offload.py): a flood of distinct huge schemas is refused at
+        # once, not queued in front of other requests' tokenizing.
+        return await CACHE.get(kind, value, lambda: offload.run(
+            "grammar", build_checked, kind, value, client=client))
     except offload.Busy as exc:
         raise too_many_requests(str(exc), "server_busy", 1.0) from None
     except ValueError as exc:

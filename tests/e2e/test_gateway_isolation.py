@@ -92,3 +92,44 @@ def test_a_template_that_never_ends_stalls_no_other_request_and_not_shutdown(
     gw.signal(signal.SIGTERM)
     assert gw.popen is not None and gw.popen.wait(timeout=DRAIN_S + 5) == 0
     assert time.monotonic() - start < DRAIN_S + 5
+
+
+def deep_schema(depth: int = 8, width: int = 3, leaf: str = "string") -> dict:
+    """A shared tree of objects (~400 KB as JSON): a fraction of a second to compile."""
+    if depth == 0:
+        return {"type": "string", "description": leaf}
+    sub = deep_schema(depth - 1, width, leaf)
+    names = [f"p{i}" for i in range(width)]
+    return {"type": "object", "properties": dict.fromkeys(names, sub), "required": names}
+
+
+def test_a_client_flooding_huge_grammars_gets_429s_and_others_are_served(
+        tiny_model_dir: Path) -> None:
+    """Issue 23: 8 concurrent 737 KB schemas made an unrelated chat wait 10.6 s. Compiling
+    grammars has its own thread and two places per client: the flood's extra requests (each
+    schema a little different, so none is served from the grammar cache) are refused at once,
+    another client is served meanwhile."""
+    with GatewayProc("--api-keys", "flood,calm") as gw, \
+            WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1"):
+        gw.wait_ready()
+        def flood(i: int) -> httpx.Response:
+            schema = deep_schema(leaf=f"variant {i}")
+            return httpx.post(gw.base_url + "/v1/chat/completions", timeout=60,
+                              headers={"Authorization": "Bearer flood"}, json={
+                                  "model": tiny_model_dir.name, "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "json"}],
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "deep", "schema": schema}}})
+
+        with ThreadPoolExecutor(8) as pool:
+            floods = [pool.submit(flood, i) for i in range(8)]
+            calm = httpx.post(gw.base_url + "/v1/chat/completions", timeout=60,
+                              headers={"Authorization": "Bearer calm"}, json={
+                                  "model": tiny_model_dir.name, "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "hi"}]})
+            codes = [f.result(timeout=120) for f in floods]
+        assert calm.status_code == 200, calm.text
+        busy = [r for r in codes if r.status_code == 429]
+        assert busy and all(r.json()["error"]["code"] == "server_busy" for r in busy)
+        assert all("retry-after" in r.headers for r in busy)
+        assert any(r.status_code == 200 for r in codes)  # the flood's own first one compiles

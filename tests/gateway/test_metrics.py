@@ -140,7 +140,7 @@ def fake_gen(reasons: list[str | None], tokens: int = 3) -> Any:
                              stats=SimpleNamespace(running=1))
     return SimpleNamespace(timings=t, prompt_tokens=7, completion_tokens=tokens,
                            finish_reasons=reasons, request_id="eng-1",
-                           handle=SimpleNamespace(worker=worker))
+                           handle=SimpleNamespace(worker=worker, peak_batch=1))
 
 
 @pytest.mark.parametrize("status, gen, finish, expected", [

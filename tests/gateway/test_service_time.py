@@ -74,6 +74,25 @@ def test_check_fit_refuses_what_no_worker_could_finish_and_what_the_load_delays(
     assert not queued.value.idle
 
 
+def test_an_idle_refusal_never_rests_on_a_busier_batch_measured_alone() -> None:
+    """Only a batch of 16 was measured (1.1 s a step on a crowded host): a lone request of 80
+    tokens might take 88 s at that rate, but alone it could take as little as 80 x 1.1 / 16 =
+    5.5 s. A 400 ("even on an idle worker") must be certain, and a 429 for an unmeasured batch
+    size would keep it unmeasured for ever; among 16 running, the measured figure refuses."""
+    st = ServiceTimes()
+    st.observe("w", 16, 10, 0.1, 1.1)
+    assert st.rates("w").step(1, lower_bound=True) == pytest.approx(1.1 / 16)
+    assert st.rates("w").step(1) == pytest.approx(1.1)  # the load estimate stays cautious
+    args = dict(prompt_tokens=10, n=1, budget_s=30.0, remaining_s=30.0, wait_s=0.0)
+    check_fit(st, [("w", 0)], max_tokens=80, **args)  # idle: fits by the lower bound
+    with pytest.raises(DoesNotFit) as busy:
+        check_fit(st, [("w", 15)], max_tokens=80, **args)  # among 16: 88 s
+    assert not busy.value.idle
+    with pytest.raises(DoesNotFit) as idle:
+        check_fit(st, [("w", 0)], max_tokens=1000, **args)  # 1000 x 1.1 / 16 = 69 s: certain
+    assert idle.value.idle
+
+
 def test_a_deadline_already_passed_is_refused_even_unmeasured() -> None:
     with pytest.raises(DoesNotFit) as exc:
         check_fit(ServiceTimes(), [("w", 0)], 10, 10, 1, budget_s=1e-9, remaining_s=-0.001,

@@ -10,6 +10,7 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from gateway.errors import APIError
+from gateway.grammar_cache import GrammarCache
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.structured import json_grammar, request_grammar
 from protocol.messages import TokenizerInfo
@@ -106,6 +107,7 @@ def test_a_library_panic_reaches_the_client_only_as_a_summary(
         raise ValueError(PANIC)
 
     monkeypatch.setattr("gateway.structured.build_checked", panics)
+    monkeypatch.setattr("gateway.structured.CACHE", GrammarCache())  # compiled before: not here
     body = CompletionRequest.model_validate({"prompt": "x", "guided_json": {"type": "object"}})
     with pytest.raises(APIError) as exc:
         asyncio.run(request_grammar(body))
