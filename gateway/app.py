@@ -54,7 +54,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     ], lifespan=lifespan)
     app.state.gateway = state
     app.state.openapi = build_openapi()  # built once: the schemas never change while serving
-    errors.install(app)
+    state.http_in_flight = errors.install(app)
     return app
 
 

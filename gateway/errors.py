@@ -126,10 +126,12 @@ class CatchAll:
     """ASGI middleware: any exception below it is logged with its trace and answered 500 in the
     error shape (if the response has not started; else the connection just ends), never raised
     into the server. It also gives every request an id (the client's X-Request-ID or a new one,
-    in `request.state.request_id`) and returns it on every response, errors included."""
+    in `request.state.request_id`) and returns it on every response, errors included. It counts
+    the HTTP requests in progress (`in_flight[0]`): a drain ends when none is left."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, in_flight: list[int]) -> None:
         self.app = app
+        self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -150,6 +152,7 @@ class CatchAll:
                 message = {**message, "headers": headers}
             await send(message)
 
+        self.in_flight[0] += 1
         try:
             await self.app(scope, receive, watch)
         except Exception:
@@ -157,9 +160,14 @@ class CatchAll:
             if not started:
                 response = error_response(500, "internal server error", code="internal_error")
                 await response(scope, receive, watch)
+        finally:
+            self.in_flight[0] -= 1
 
 
-def install(app: Starlette) -> None:
+def install(app: Starlette) -> list[int]:
+    """The error handlers and CatchAll; returns its count of HTTP requests in progress."""
+    in_flight = [0]
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll, in_flight=in_flight)
+    return in_flight

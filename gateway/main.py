@@ -1,8 +1,8 @@
 """`kestrel-gateway`: the HTTP front (no torch). Workers join it over ZeroMQ.
 
-On SIGTERM/SIGINT it stops admitting (ready turns 503, new and queued requests get 503), lets
-in-flight requests finish for up to drain_timeout_s, ends those still running with a 503 in their
-own shape (GatewayState.begin_drain), then exits 0.
+On SIGTERM/SIGINT it stops admitting (ready turns 503, new and queued requests get 503, the port
+stays open), lets in-flight requests finish for up to drain_timeout_s, ends those still running
+with a 503 in their own shape (GatewayState.begin_drain), then closes the port and exits 0.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from typing import Any
 
 import uvicorn
@@ -25,26 +26,39 @@ DRAIN_BACKSTOP_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the app to refuse new work as soon as a signal arrives.
+    """uvicorn's server, kept listening through the drain.
 
-    uvicorn closes its listener at once, asks idle keep-alive connections to close, then waits up
-    to `timeout_graceful_shutdown` for the requests in flight (SSE streams included: uvicorn never
-    tells them the client left) before it cancels them and runs the lifespan shutdown. Requests
-    that still reach the app meanwhile (on a connection that was mid-request) get 503.
+    On SIGTERM/SIGINT the app refuses new work at once (503, /health/ready 503), but the port
+    stays open, so a load balancer reads "draining" and a client gets a 503 it can act on, not a
+    refused connection. When nothing is in flight any more, or drain_timeout_s has passed (the
+    app then ends what still runs with a 503 in its own shape), uvicorn's own shutdown runs:
+    listener closed, idle keep-alive connections asked to close, the lifespan's exit.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, drain_timeout_s: float) -> None:
         super().__init__(config)
         self._app = app
+        self._drain_timeout_s = drain_timeout_s
+        self._draining_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._app.state.gateway.begin_drain()
-        log.info("signal %d: draining in-flight requests, then exiting", sig)
         # Not super().handle_exit: it records the signal, and after the shutdown uvicorn raises
         # it again with the default handler, so a clean drain would end with status -15, not 0.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting for the requests in flight
-        self.should_exit = True
+        if self._draining_since is not None:
+            if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for the requests in flight
+                self.should_exit = self.force_exit = True
+            return
+        log.info("signal %d: draining in-flight requests, then exiting", sig)
+        self._draining_since = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._draining_since is not None and not self.should_exit:
+            waited = time.monotonic() - self._draining_since
+            # + a moment past the timeout: the app's own 503s to what still ran go out first
+            if self._app.state.gateway.idle or waited > self._drain_timeout_s + 0.5:
+                self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -69,7 +83,7 @@ def run(cfg: GatewayConfig) -> None:
                             proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
                             http=guarded_h11(cfg.header_timeout_s, cfg.send_timeout_s),
                             limit_concurrency=cfg.max_connections)
-    DrainingServer(config, app).run()
+    DrainingServer(config, app, cfg.drain_timeout_s).run()
 
 
 def main(argv: list[str] | None = None) -> int:

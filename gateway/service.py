@@ -42,6 +42,7 @@ class GatewayState:
         self.accounting.watch(self.admission, self.client)
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
+        self.http_in_flight = [0]  # HTTP requests in progress (errors.CatchAll counts them)
 
     @property
     def draining(self) -> bool:
@@ -50,6 +51,12 @@ class GatewayState:
     @property
     def ready(self) -> bool:
         return self.client.ready and not self.draining and not self.admission.queue_full
+
+    @property
+    def idle(self) -> bool:
+        """No HTTP request in progress, nothing admitted or waiting: a drain may end."""
+        return (self.http_in_flight[0] == 0 and self.admission.outstanding == 0
+                and self.admission.waiting == 0)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new work at once (this may run in a signal handler, so the rest is
