@@ -151,10 +151,19 @@ class BlockManager:
     def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
         """Make sure `seq` has blocks for positions up to num_tokens - 1 + lookahead (the token
         fed next and `lookahead` speculative drafts after it)."""
-        while len(seq.block_table) < self.blocks_needed(seq.num_tokens + lookahead):
-            if not self._free:
-                raise RuntimeError(f"no free block for {seq!r}")
-            seq.block_table.append(self._take_fresh())
+        if not self.extend(seq.block_table, seq.num_tokens + lookahead):
+            raise RuntimeError(f"no free block for {seq!r}")
+
+    def extend(self, table: list[int], num_tokens: int) -> bool:
+        """Append fresh blocks to `table` until it holds `num_tokens` positions; False, taking
+        nothing, when the pool has too few. Also the draft model's own cache's allocator
+        (engine_worker/speculative/draft.py), whose tables belong to no Sequence."""
+        missing = self.blocks_needed(num_tokens) - len(table)
+        if missing > len(self._free):
+            return False
+        for _ in range(missing):
+            table.append(self._take_fresh())
+        return True
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the full blocks that `seq.num_computed_tokens` now covers in the cache.
@@ -185,9 +194,15 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its computed full blocks stay cached until evicted."""
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference to each block of `table` (the caller forgets the table)."""
         # Reverse order: a prefix is only useful from its start, so the tail should go first;
         # freed earlier means closer to the front of the pool, i.e. evicted sooner.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(table):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count < 0:
@@ -197,8 +212,6 @@ class BlockManager:
                 if block.hash is None:
                     # Nothing worth keeping: reuse it before any cached block.
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table = []
-        seq.block_hashes = []
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_worker.block_manager import BlockManager
 from engine_worker.model_runner import ModelRunner
 from engine_worker.sampler import Sampler, is_greedy
 from engine_worker.sequence import Sequence
@@ -42,16 +43,19 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
-        self._free: list[int] = list(range(runner.num_blocks))
+        # The draft cache's blocks: the target's allocator, with no prefix cache (a draft's
+        # positions past its committed tokens are rewritten at will).
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
+                                   enable_prefix_caching=False)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.blocks.num_free_blocks
 
     def release(self, seq: Sequence) -> None:
         state = seq.spec.proposer
         if isinstance(state, _DraftState):
-            self._free += state.block_table
+            self.blocks.release(state.block_table)
         seq.spec.proposer = None
 
     def propose(self, seqs: list[Sequence], limits: list[int]
@@ -103,12 +107,8 @@ class DraftModelProposer:
         k = min(k, self.runner.max_model_len - seq.num_tokens + 1)
         if k <= 0:
             return 0
-        bs = self.runner.block_size
-        need = -(-(seq.num_tokens + k - 1) // bs) - len(st.block_table)
-        if need > len(self._free):
+        if not self.blocks.extend(st.block_table, seq.num_tokens + k - 1):
             return 0
-        for _ in range(max(0, need)):
-            st.block_table.append(self._free.pop())
         return k
 
     def _draw(self, seqs: list[Sequence], live: list[int], logits: torch.Tensor,

@@ -301,3 +301,18 @@ def test_a_prefix_cached_under_one_salt_is_not_found_under_another() -> None:
     again.cache_salt = b"alice"
     bm.allocate(again)
     assert again.num_cached_tokens == 8 and again.block_table[:2] == alice.block_table[:2]
+
+
+def test_a_bare_table_grows_and_is_released_whole_or_not_at_all() -> None:
+    """extend/release serve block tables that belong to no Sequence (a draft model's cache)."""
+    bm = BlockManager(4, block_size=4, enable_prefix_caching=False)
+    table: list[int] = []
+    assert bm.extend(table, 9) and len(table) == 3 and bm.num_free_blocks == 1
+    assert bm.extend(table, 12) and len(table) == 3  # already holds 12 positions
+    assert not bm.extend(table, 20) and len(table) == 3 and bm.num_free_blocks == 1
+    other: list[int] = []
+    assert bm.extend(other, 1) and not set(other) & set(table)
+    bm.release(table)
+    assert bm.num_free_blocks == 3
+    bm.release(other)
+    assert bm.num_free_blocks == bm.num_blocks
