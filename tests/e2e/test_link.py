@@ -171,30 +171,33 @@ def test_ready_turns_200_only_after_the_model_is_loaded(tiny_model_dir: Path) ->
 
 def test_restarted_worker_rejoins_and_gets_no_request_from_its_previous_life(
         tiny_model_dir: Path) -> None:
-    with GatewayProc() as gw:
+    # A long deadline: 1000 tokens may not fit the default 30 s on a busy host (a 400 at once).
+    with GatewayProc("--default-timeout-s", "300") as gw:
         first = WorkerProc(tiny_model_dir, gw.engine_address).start()
-        gw.wait_ready()
-        assert complete(gw.base_url).status_code == 200
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", gw.base_url + "/v1/completions",
-                json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True,
-                      "temperature": 0}) as resp:
-            lines = resp.iter_lines()
-            assert next(lines).startswith("data: ")
-            old_ids = {e["request_id"] for e in first.log_lines()
-                       if e.get("event") == "request_start"}
-            first.kill()
-            rest = [line for line in lines if line]
-        assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
-        second = WorkerProc(tiny_model_dir, gw.engine_address).start()
         try:
             gw.wait_ready()
-            for _ in range(3):
-                assert complete(gw.base_url).status_code == 200
-            new_ids = {e["request_id"] for e in second.log_lines()
-                       if e.get("event") == "request_start"}
-            assert len(new_ids) == 3
-            assert not new_ids & old_ids
+            assert complete(gw.base_url).status_code == 200
+            with httpx.Client(timeout=30) as http, http.stream(
+                    "POST", gw.base_url + "/v1/completions",
+                    json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+                          "temperature": 0}) as resp:
+                lines = resp.iter_lines()
+                assert next(lines).startswith("data: ")
+                old_ids = {e["request_id"] for e in first.log_lines()
+                           if e.get("event") == "request_start"}
+                first.kill()
+                rest = [line for line in lines if line]
+            assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+            second = WorkerProc(tiny_model_dir, gw.engine_address).start()
+            try:
+                gw.wait_ready()
+                for _ in range(3):
+                    assert complete(gw.base_url).status_code == 200
+                new_ids = {e["request_id"] for e in second.log_lines()
+                           if e.get("event") == "request_start"}
+                assert len(new_ids) == 3
+                assert not new_ids & old_ids
+            finally:
+                second.stop()
         finally:
-            second.stop()
-        first.stop()
+            first.stop()  # a worker left running would outlive the test (and the suite)

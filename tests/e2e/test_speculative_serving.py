@@ -23,7 +23,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc, GatewayProc]]:
-    with GatewayProc() as gw_spec, WorkerProc(
+    # A long deadline: the cancel test asks for 1000 tokens, which a busy host may not finish
+    # in the default 30 s (the gateway would refuse it at once as unreachable).
+    with GatewayProc("--default-timeout-s", "300") as gw_spec, WorkerProc(
         tiny_model_dir, gw_spec.engine_address, "--speculative-method", "ngram",
         "--num-speculative-tokens", str(K), "--speculative-min-acceptance", "0",
     ) as wk_spec, GatewayProc() as gw_off, WorkerProc(tiny_model_dir, gw_off.engine_address):
@@ -108,9 +110,12 @@ def test_cancel_mid_stream_stops_within_one_step(servers) -> None:  # noqa: ANN0
     sock = socket.create_connection(("127.0.0.1", gw_spec.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.settimeout(60)
     received = b""
     while received.count(b"data: ") < 5:
-        received += sock.recv(4096)
+        chunk = sock.recv(4096)
+        assert chunk, received.decode(errors="replace")[-2000:]  # closed before 5 events
+        received += chunk
     sock.close()
     deadline = time.monotonic() + 10
     while True:
