@@ -69,7 +69,11 @@ class Membership:
         hello = vetted.hello
         worker = self.registry.admit(identity, hello, vetted.digest, vetted.tokenizer)
         self._last_reset.pop(identity, None)
-        await self.link.send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
+        if not await self.link.send(identity, m.Welcome(m.PROTOCOL_VERSION, True)):
+            # It left while its Hello was vetted (a send to a gone peer fails at once): never
+            # count it as ready, not even until its heartbeats are missed.
+            self.on_lost(worker, "it left before its Hello was answered")
+            return
         log.info("worker %s ready: model %s, max_model_len %d, KV %d tokens", worker.name,
                  hello.model_id, hello.max_model_len, hello.kv_capacity_tokens)
 

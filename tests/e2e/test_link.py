@@ -201,3 +201,24 @@ def test_restarted_worker_rejoins_and_gets_no_request_from_its_previous_life(
                 second.stop()
         finally:
             first.stop()  # a worker left running would outlive the test (and the suite)
+
+
+def test_a_worker_gone_before_its_hello_is_answered_is_never_ready(tiny_model_dir: Path) -> None:
+    """Issue 23: a Hello whose sender left while the gateway vetted it (building a 3.5 MB
+    tokenizer takes a while) was admitted as ready, then dropped only when its heartbeats were
+    missed; requests could be routed to it meanwhile."""
+    with GatewayProc("--heartbeat-timeout-s", "3") as gw:
+        gw.wait_live()
+        peer = FakeWorker(gw.engine_address)
+        assert peer.send(tiny_hello(tiny_model_dir, model_id="gone"))
+        time.sleep(0.02)  # the frame is on its way; the peer leaves before any answer
+        peer.close()
+        seen = []
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            seen += [w for w in httpx.get(gw.base_url + "/health", timeout=5).json()["workers"]
+                     if w["model"] == "gone" and w["ready"]]
+            time.sleep(0.05)
+        assert not seen, seen
+        assert any("left before its Hello was answered" in e.get("msg", "")
+                   for e in gw.log_lines()), gw.output()[-2000:]
