@@ -11,6 +11,9 @@
          many-row dtype
 
 The candidates:
+  - our integer-dot kernel over the file's own blocks (engine_worker/int_dot.py) for up to 16
+    rows, where it is built for this host; chosen up to the largest row count at which it and
+    every smaller one were measured faster than every other candidate;
   - packed kernels (torch's INT4 kernel, our Q8_0 kernel or torch's INT8 one) with their
     activations in bfloat16 or float32 (torch's INT4 kernel in float32 measured 20x slower
     than in bfloat16 on two CPUs without native bfloat16: which wins is not obvious);
@@ -30,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ COPY_BUDGET_BYTES = 512 << 20
 DECODE_ROWS = (1, 2, 4, 8, 16, 32)
 PREFILL_ROWS = (64, 128)
 CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KESTREL_CPU_ISA")
+INT_DOT = "int_dot"  # the integer-dot candidate's name
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,14 @@ class PathChoice:
     dense_min_rows: int  # from this many rows up; 0: no copy
     native_bf16: bool  # whether a bfloat16 copy was a candidate at all
     timings_ms: dict[str, dict[str, float]]  # candidate -> rows -> ms for one layer's matmuls
+    int_dot_rows: int = 0  # up to this many rows the integer-dot kernel; 0: never
 
     def describe(self) -> str:
         dense = f"a {self.dense_dtype} copy from {self.dense_min_rows} rows" \
             if self.dense_min_rows else "no copy"
         why = "" if self.native_bf16 else " (no native bfloat16 here)"
-        return f"packed kernels in {self.compute_dtype}, {dense}{why}"
+        dot = f"integer-dot kernel up to {self.int_dot_rows} rows, " if self.int_dot_rows else ""
+        return f"{dot}packed kernels in {self.compute_dtype}, {dense}{why}"
 
 
 def native_bf16(flags: str | None = None) -> bool:
@@ -89,15 +94,17 @@ def _key(shapes: list[Any]) -> str:
 
 
 def _time_ms(fn: Any, budget_s: float = 0.05, max_reps: int = 20) -> float:
-    """Median milliseconds of `fn()` after a warm-up, repeated within about `budget_s`."""
+    """Best milliseconds of `fn()` after a warm-up, repeated within about `budget_s`: the best,
+    not the median, so that a neighbour busy for a moment of the measurement does not decide
+    (and, cached, keep deciding) which path this host takes."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
+    while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure(layers: dict[str, list[torch.nn.Module]], rows: tuple[int, ...],
@@ -140,21 +147,38 @@ def decide(timings: dict[str, dict[str, float]], bf16: bool) -> PathChoice:
                       if all(t[str(q)] < base[str(q)] for q in counts[i:])), 0)
         if start and (best is None or t[str(counts[-1])] < best[0]):
             best = (t[str(counts[-1])], name.removeprefix("dense-"), start)
+    dot = _int_dot_rows(timings)
     if best is None:
-        return PathChoice(dtype, "", 0, bf16, timings)
-    return PathChoice(dtype, best[1], best[2], bf16, timings)
+        return PathChoice(dtype, "", 0, bf16, timings, dot)
+    return PathChoice(dtype, best[1], best[2], bf16, timings, dot)
+
+
+def _int_dot_rows(timings: dict[str, dict[str, float]], most: int = 16) -> int:
+    """The largest row count (<= `most`) up to which the integer-dot candidate was measured
+    faster than every other candidate at every row count; 0 if not even at one row."""
+    dot = timings.get(INT_DOT, {})
+    rows = 0
+    for r in sorted(int(q) for q in dot if int(q) <= most):
+        others = [t[str(r)] for n, t in timings.items() if n != INT_DOT and str(r) in t]
+        if not others or dot[str(r)] >= min(others):
+            break
+        rows = r
+    return rows
 
 
 def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: str = "cpu",
-                 native_q8: bool = False, copy_budget: int = COPY_BUDGET_BYTES) -> PathChoice:
+                 native_q8: bool = False, copy_budget: int = COPY_BUDGET_BYTES,
+                 int_dot_isa: str = "") -> PathChoice:
     """The choice for this host and model, from the cache dir or measured now (a few s).
-    A copy whose `num_layers` layers would take more than `copy_budget` bytes is no candidate."""
+    A copy whose `num_layers` layers would take more than `copy_budget` bytes is no candidate;
+    `int_dot_isa`: the integer-dot kernel is loaded, built for that path ("": not a candidate)."""
     from engine_worker.model.gguf_native import layer_blocks, to_module
 
     blocks = layer_blocks(gguf_path, 0)
     shapes = [(b.kind, *b.codes.shape) for b in blocks]
     weights = num_layers * sum(int(b.codes.shape[0]) * int(b.codes.shape[1]) for b in blocks)
-    path = Path(cache_dir) / "paths" / f"{_key([*shapes, num_layers, copy_budget, native_q8])}.json"
+    key = _key([*shapes, num_layers, copy_budget, native_q8, int_dot_isa])
+    path = Path(cache_dir) / "paths" / f"{key}.json"
     bf16 = native_bf16()
     try:
         saved = json.loads(path.read_text())
@@ -166,14 +190,16 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     t0 = time.monotonic()
     dev = torch.device(device)
     f32, b16 = torch.float32, torch.bfloat16
-    candidates = {"packed-bfloat16": (b16, 0, b16), "packed-float32": (f32, 0, b16)}
+    candidates = {"packed-bfloat16": (b16, 0, b16, 0), "packed-float32": (f32, 0, b16, 0)}
     if 4 * weights <= copy_budget:
-        candidates["dense-float32"] = (b16, 1, f32)
+        candidates["dense-float32"] = (b16, 1, f32, 0)
     if bf16 and 2 * weights <= copy_budget:  # elsewhere every element is converted to float32
-        candidates["dense-bfloat16"] = (b16, 1, b16)  # and back: never a contender
-    layers = {name: [to_module(b, dev, dtype, True, dense, native_q8, dense_dtype)
+        candidates["dense-bfloat16"] = (b16, 1, b16, 0)  # and back: never a contender
+    if int_dot_isa and all(b.raw is not None for b in blocks):
+        candidates[INT_DOT] = (b16, 0, b16, 16)
+    layers = {name: [to_module(b, dev, dtype, True, dense, native_q8, dense_dtype, dot)
                      for b in blocks]
-              for name, (dtype, dense, dense_dtype) in candidates.items()}
+              for name, (dtype, dense, dense_dtype, dot) in candidates.items()}
     choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)
     log.info("compute paths for this host, measured in %.1f s: %s; ms per layer by rows: %s",
              time.monotonic() - t0, choice.describe(), json.dumps(choice.timings_ms))

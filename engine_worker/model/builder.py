@@ -18,10 +18,14 @@ Two ways in:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine_worker import int_dot
+from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.llama import LlamaForCausalLM
@@ -30,6 +34,8 @@ from engine_worker.model.quant_group import load_group_gemv
 from engine_worker.model.weights import load_model
 from engine_worker.path_choice import PathChoice, choose_paths, native_bf16
 from engine_worker.runner_config import AUTO, RunnerConfig
+
+log = logging.getLogger("kestrel.model")
 
 # With dense_min_rows given (not AUTO, which measures: engine_worker/path_choice.py): from this
 # many rows GGUF-native layers run a bfloat16 copy through oneDNN. On a CPU with native bfloat16
@@ -46,6 +52,17 @@ class BuiltModel:
     kernel_rows: int  # rows from which GGUF layers switch kernels (0: none): a compiled bucket edge
 
 
+def _int_dot_isa(cache_dir: Path) -> str:
+    """The integer-dot kernel's instruction path once it is loaded here; "" where it cannot be
+    built (then it is no candidate, and torch's packed paths serve)."""
+    try:
+        int_dot.load(cache_dir)
+    except KernelUnavailable as exc:
+        log.info("integer-dot kernel unavailable here: %s", exc)
+        return ""
+    return int_dot.isa()
+
+
 def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -> BuiltModel:
     """The model `cfg` names on its device, RoPE tables for `max_positions`."""
     device = torch.device(cfg.device)
@@ -55,16 +72,19 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
     if cfg.gguf_path is not None:
         paths = None
         compute = dense_dtype = torch.bfloat16
+        int_dot_rows = 0
         if dense_min_rows == AUTO and device.type == "cpu":  # measured on this host
             paths = choose_paths(cfg.gguf_path, cfg.cache_dir, num_layers=model_cfg.num_layers,
-                                 native_q8=native_q8)
+                                 native_q8=native_q8, int_dot_isa=_int_dot_isa(cfg.cache_dir))
             compute = getattr(torch, paths.compute_dtype)
             dense_min_rows = paths.dense_min_rows
             dense_dtype = getattr(torch, paths.dense_dtype or "bfloat16")
+            int_dot_rows = paths.int_dot_rows
         dense_min_rows = DENSE_ROWS if dense_min_rows == AUTO else dense_min_rows
         model = load_gguf_model(cfg.gguf_path, model_cfg, device, compute_dtype=compute,
                                 max_positions=max_positions, dense_dtype=dense_dtype,
-                                dense_min_rows=dense_min_rows, native_q8=native_q8)
+                                dense_min_rows=dense_min_rows, native_q8=native_q8,
+                                int_dot_rows=int_dot_rows)
         size = weight_bytes(model)
         return BuiltModel(model, QuantReport("gguf", size, size), paths, dense_min_rows)
     if dense_min_rows == AUTO:  # the INT4 mode's head copy is bfloat16: only if native

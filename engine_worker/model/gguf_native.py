@@ -35,6 +35,7 @@ from torch import nn
 
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.int4 import Int4GroupLinear
+from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import Linear
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
@@ -55,14 +56,19 @@ class Blocks:
     (N, K/32) float32 (w = (q - 8) * scale + zero for int4; w = q * scale for int8), or floats."""
 
     def __init__(self, kind: str, codes: np.ndarray, scale: np.ndarray | None = None,
-                 zero: np.ndarray | None = None) -> None:
+                 zero: np.ndarray | None = None, fmt: str = "",
+                 raw: np.ndarray | None = None) -> None:
         self.kind, self.codes, self.scale, self.zero = kind, codes, scale, zero
+        # The file's own bytes, (N, K/32 * block bytes), and their GGML type ("q4_0", "q4_1",
+        # "q8_0"): what the integer-dot kernel packs (engine_worker/int_dot.py).
+        self.fmt, self.raw = fmt, raw
 
     def take_rows(self, order: np.ndarray) -> Blocks:
         def pick(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[order]
 
-        return Blocks(self.kind, self.codes[order], pick(self.scale), pick(self.zero))
+        return Blocks(self.kind, self.codes[order], pick(self.scale), pick(self.zero),
+                      self.fmt, pick(self.raw))
 
 
 def read_tensor(t: Any) -> Blocks:
@@ -82,12 +88,12 @@ def read_tensor(t: Any) -> Blocks:
             zero = m + 8 * d  # w = d*q + m = (q - 8)*d + (m + 8d): exact in float32
         else:
             zero = np.zeros_like(d)
-        return Blocks("int4", q, d, zero)
+        return Blocks("int4", q, d, zero, "q4_1" if kind == qt.Q4_1 else "q4_0", data)
     if kind == qt.Q8_0:
         blk = data.reshape(data.shape[0], -1, 34)
         d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blk[..., 2:].copy().view(np.int8).reshape(data.shape[0], -1)  # (N, K)
-        return Blocks("int8", q, d)
+        return Blocks("int8", q, d, None, "q8_0", data)
     if kind in (qt.F32, qt.F16):
         return Blocks("float", data.astype(np.float32))
     shape = [int(x) for x in reversed(t.shape.tolist())]  # GGUF lists dims innermost first
@@ -112,8 +118,10 @@ def _cat(parts: list[Blocks]) -> Blocks:
     def cat(xs: list[np.ndarray | None]) -> np.ndarray | None:
         return None if xs[0] is None else np.concatenate(xs)  # type: ignore[arg-type]
 
+    same = len({p.fmt for p in parts}) == 1 and all(p.raw is not None for p in parts)
     return Blocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.scale for p in parts]),
-                  cat([p.zero for p in parts]))
+                  cat([p.zero for p in parts]), parts[0].fmt if same else "",
+                  cat([p.raw for p in parts]) if same else None)
 
 
 def dequant(b: Blocks) -> np.ndarray:
@@ -130,8 +138,20 @@ def dequant(b: Blocks) -> np.ndarray:
 
 def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_kernel: bool,
               dense_min_rows: int, native_q8: bool = False,
-              dense_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Blocks -> a layer computing x @ w.T (INT4/INT8 for quantized kinds, Linear for float)."""
+              dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0) -> nn.Module:
+    """Blocks -> a layer computing x @ w.T (INT4/INT8 for quantized kinds, Linear for float);
+    with `int_dot_rows` (the int_dot kernel loaded), up to that many rows take the integer-dot
+    kernel over the file's own blocks."""
+    layer = _packed_module(b, device, compute_dtype, use_kernel, dense_min_rows, native_q8,
+                           dense_dtype)
+    if int_dot_rows and b.raw is not None and device.type == "cpu":
+        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, int_dot_rows)
+    return layer
+
+
+def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
+                   use_kernel: bool, dense_min_rows: int, native_q8: bool,
+                   dense_dtype: torch.dtype) -> nn.Module:
     codes = torch.from_numpy(np.ascontiguousarray(b.codes)).to(device)
     if b.kind == "int4":
         n = codes.shape[0]
@@ -157,7 +177,7 @@ def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
     use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
-    dense_dtype: torch.dtype = torch.bfloat16,
+    dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0,
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
     packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
@@ -179,13 +199,14 @@ def load_gguf_model(
     k_order = unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     def mk(b: Blocks) -> nn.Module:
         return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows, native_q8,
-                         dense_dtype)
+                         dense_dtype, int_dot_rows)
 
     def mk_head(b: Blocks) -> nn.Module:
         # A float32 copy of the head (113 MB for SmolLM2) would serve only batches of many
         # sequences (the head sees one row a sequence); a bfloat16 copy earns its keep there.
         rows = dense_min_rows if dense_dtype == torch.bfloat16 else 0
-        return to_module(b, device, compute_dtype, bool(use_kernel), rows, native_q8)
+        return to_module(b, device, compute_dtype, bool(use_kernel), rows, native_q8,
+                         int_dot_rows=int_dot_rows)
 
     for i, layer in enumerate(model.model.layers):
         for target, b in _layer_parts(tensors, i, q_order, k_order).items():
@@ -202,7 +223,8 @@ def load_gguf_model(
     model.rope_cos = model.rope_sin = None
     if embed.kind == "int8":  # the head reads the same table unless the file has its own
         table = mk_head(embed)
-        model.model.embed_tokens = Int8GroupEmbedding(table, torch.float32)  # type: ignore
+        rows = table.fallback if isinstance(table, IntDotLinear) else table  # the INT8 table
+        model.model.embed_tokens = Int8GroupEmbedding(rows, torch.float32)  # type: ignore
         model.lm_head = table if head is None else mk_head(head)
     else:
         model.model.embed_tokens = nn.Embedding.from_pretrained(

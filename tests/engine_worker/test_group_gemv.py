@@ -111,6 +111,7 @@ def test_runner_falls_back_when_no_kernel_can_be_built(
         raise KernelUnavailable("no C++ compiler ('c++' not found)")
 
     monkeypatch.setattr("engine_worker.model.quant_group.load_kernel", refuse)
+    monkeypatch.setattr("engine_worker.int_dot.load_kernel", refuse)  # nor the integer-dot one
     cfg = load_config(tiny_dir)
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q4_1, Q.Q8_0, cfg.num_heads,
                       cfg.num_kv_heads)

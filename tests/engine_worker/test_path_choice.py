@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_worker import path_choice
+from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.loader import load_config
 from engine_worker.model_runner import ModelRunner
 from engine_worker.path_choice import choose_paths, decide, native_bf16
@@ -41,6 +42,21 @@ def test_decide_takes_the_faster_packed_dtype_and_a_copy_only_where_it_keeps_win
     choice = decide(both, bf16=True)  # the copy faster at the most rows
     assert (choice.dense_dtype, choice.dense_min_rows) == ("bfloat16", 8)
     assert "a bfloat16 copy from 8 rows" in choice.describe()
+
+
+def test_the_integer_dot_kernel_serves_up_to_where_it_stops_winning() -> None:
+    base = {"packed-bfloat16": rows(1, 1, 2, 3, 5, 9, 17, 33),
+            "dense-float32": rows(2, 2, 3, 3, 6, 8, 9, 10)}
+    # rows 1, 2, 4, 8, 16, 32, 64, 128: faster up to 8 rows, then not (at 16: 5 > 3)
+    choice = decide({**base, "int_dot": rows(0.5, 0.6, 1, 2, 5, 1, 1, 1)}, bf16=False)
+    assert choice.int_dot_rows == 8 and "integer-dot kernel up to 8 rows" in choice.describe()
+    # never past 16 rows (the kernel's limit), however fast it was timed there
+    assert decide({**base, "int_dot": rows(0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)},
+                  bf16=False).int_dot_rows == 16
+    # slower at one row: not used at all, even where it wins later
+    assert decide({**base, "int_dot": rows(1.5, 0.1, 0.1, 0.1, 0.1, 9, 9, 9)},
+                  bf16=False).int_dot_rows == 0
+    assert decide(base, bf16=False).int_dot_rows == 0  # not a candidate (no kernel here)
 
 
 def test_bfloat16_is_native_only_with_its_instructions_and_no_cap(
@@ -97,6 +113,9 @@ def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
                                       cache_dir=cache_dir))  # the kernels built once
     assert runner.paths is not None
     layer = runner.model.model.layers[0].mlp.down_proj
+    if runner.paths.int_dot_rows:  # the integer-dot kernel up to its rows, over the packed path
+        assert isinstance(layer, IntDotLinear) and layer.max_rows == runner.paths.int_dot_rows
+        layer = layer.fallback
     want = runner.paths.dense_min_rows
     assert layer.dense_min_rows == want
     if want:
