@@ -59,7 +59,6 @@ def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[byte
            "KESTREL_QUANTIZATION": quant,
            "KESTREL_COMPILE": "decode" if "compile" in extras else "off",
            "KESTREL_DENSE_MIN_ROWS": dense,
-           "KESTREL_ENGINE_ADDRESS": f"tcp://127.0.0.1:{free_port()}",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
     return subprocess.Popen([sys.executable, "-m", "kestrel.serve"], cwd=ROOT, env=env,

@@ -8,7 +8,7 @@ OUT=${1:-benchmarks/results}
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8123}
 mkdir -p "$OUT"
-PORT=$PORT KESTREL_ENGINE_ADDRESS=tcp://127.0.0.1:5923 KESTREL_LOG_LEVEL=WARNING \
+PORT=$PORT KESTREL_LOG_LEVEL=WARNING \
   "$PY" -m kestrel.serve > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
