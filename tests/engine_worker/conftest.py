@@ -45,3 +45,15 @@ def smollm2_hf(smollm2_dir: Path) -> Any:
         smollm2_dir, dtype=torch.float32, local_files_only=True
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def int_dot_kernel(cache_dir: Path) -> None:
+    """The integer-dot kernel loaded (engine_worker/int_dot.py), or the test skipped saying why."""
+    from engine_worker import int_dot
+    from engine_worker.kernel_build import KernelUnavailable
+
+    try:
+        int_dot.load(cache_dir)
+    except KernelUnavailable as e:
+        pytest.skip(f"the int_dot kernel is not available here: {e}")

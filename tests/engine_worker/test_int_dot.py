@@ -19,21 +19,13 @@ import pytest
 import torch
 
 from engine_worker import int_dot
-from engine_worker.kernel_build import KernelUnavailable, _cpu_flags, isa_cap
+from engine_worker.kernel_build import _cpu_flags, isa_cap
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
 ROWS = (1, 2, 3, 4, 7, 8, 16)
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
-
-
-@pytest.fixture(scope="module")
-def kernel(cache_dir: Path) -> None:
-    try:
-        int_dot.load(cache_dir)
-    except KernelUnavailable as e:
-        pytest.skip(f"the int_dot kernel is not available here: {e}")
 
 
 @cache
@@ -74,7 +66,7 @@ def test_packed_layout() -> None:
     assert q8.qs.shape == (1, 1, 256) and q8.qs.dtype == torch.int8
 
 
-def test_activation_quantizer_is_the_references(kernel: None) -> None:
+def test_activation_quantizer_is_the_references(int_dot_kernel: None) -> None:
     x = _x(5, 128, 1)
     x[1, :32] = 0  # an all-zero block
     x[2, 64:96] = 1e-35  # too small to scale: zeros as well
@@ -90,7 +82,8 @@ def test_activation_quantizer_is_the_references(kernel: None) -> None:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
-def test_kernel_equals_q8_reference(kernel: None, fmt: str, n: int, k: int, rows: int) -> None:
+def test_kernel_equals_q8_reference(int_dot_kernel: None, fmt: str, n: int, k: int,
+                                    rows: int) -> None:
     raw = _weights(fmt, n, k)
     x = _x(rows, k, rows * 31 + n)
     y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
@@ -113,7 +106,7 @@ def test_kernel_equals_q8_reference(kernel: None, fmt: str, n: int, k: int, rows
 
 
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
-def test_row_result_does_not_depend_on_the_batch(kernel: None, fmt: str) -> None:
+def test_row_result_does_not_depend_on_the_batch(int_dot_kernel: None, fmt: str) -> None:
     n, k = 108, 160  # 14 tiles of 8 rows, the last one partial
     raw = _weights(fmt, n, k)
     p = int_dot.pack(fmt, raw, n, k)
@@ -125,7 +118,7 @@ def test_row_result_does_not_depend_on_the_batch(kernel: None, fmt: str) -> None
         assert torch.equal(int_dot.mm(p, x[lo:hi].contiguous()), full[lo:hi])
 
 
-def test_zero_rows_give_zeros_and_nan_stays_in_its_row(kernel: None) -> None:
+def test_zero_rows_give_zeros_and_nan_stays_in_its_row(int_dot_kernel: None) -> None:
     for fmt in int_dot.FORMATS:
         p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
         assert not int_dot.mm(p, torch.zeros(3, 64)).any()
@@ -141,7 +134,7 @@ def test_zero_rows_give_zeros_and_nan_stays_in_its_row(kernel: None) -> None:
     assert d[0, 1].isnan() and d[2, 0].isnan() and not d[1].isnan().any()
 
 
-def test_bad_input_raises_clear_errors(kernel: None) -> None:
+def test_bad_input_raises_clear_errors(int_dot_kernel: None) -> None:
     raw = _weights("q4_1", 96, 64)
     p = int_dot.pack_q4_1(raw, 96, 64)
     op = torch.ops.kestrel.int_dot_q4_1
@@ -171,7 +164,7 @@ def test_bad_input_raises_clear_errors(kernel: None) -> None:
         int_dot.pack("q5_0", raw, 96, 64)
 
 
-def test_isa_is_the_capped_one(kernel: None) -> None:
+def test_isa_is_the_capped_one(int_dot_kernel: None) -> None:
     """KESTREL_CPU_ISA=avx2 (x86-64-v3) or avx512 (x86-64-v4, which has no VNNI) build the AVX2
     path; native builds the best this CPU has."""
     flags = set(_cpu_flags().split())
@@ -210,7 +203,7 @@ GOLDEN = {
 
 
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
-def test_same_bits_on_every_isa(kernel: None, fmt: str) -> None:
+def test_same_bits_on_every_isa(int_dot_kernel: None, fmt: str) -> None:
     """Integer sums are exact and every path takes the same float steps per output: the result's
     bytes are fixed, whichever instructions this host's build uses. n = 200: 25 tiles, so the
     two-tile 512-bit path and its one-tile remainder both run."""
@@ -223,7 +216,7 @@ def test_same_bits_on_every_isa(kernel: None, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
-def test_ops_pass_torch_opcheck(kernel: None, fmt: str) -> None:
+def test_ops_pass_torch_opcheck(int_dot_kernel: None, fmt: str) -> None:
     """Schema, shape-only (fake) version for torch.compile, and dispatch registrations."""
     p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
     x = _x(3, 64, 0)
@@ -242,7 +235,7 @@ def _smollm2_gguf() -> Path | None:
 
 
 @pytest.mark.smollm
-def test_smollm2_layers(kernel: None) -> None:
+def test_smollm2_layers(int_dot_kernel: None) -> None:
     """The shipped SmolLM2 file's own blocks: block 0's fused q|k|v and gate|up, its o and down
     (Q4_1), and 4096 rows of the tied embedding / LM head (Q8_0), at 1 and 16 rows."""
     path = _smollm2_gguf()

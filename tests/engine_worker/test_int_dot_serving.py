@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine_worker import int_dot
-from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.loader import embedded_gguf_path, load_config
@@ -18,16 +17,8 @@ from tests.engine_worker.test_gguf_native import PROMPT, _logits, tiny_gguf  # n
 from tests.numerics import MARGIN, top2_gap
 
 
-@pytest.fixture(scope="module")
-def kernel(cache_dir: Path) -> None:
-    try:
-        int_dot.load(cache_dir)
-    except KernelUnavailable as e:
-        pytest.skip(f"the int_dot kernel is not available here: {e}")
-
-
 def test_few_rows_take_the_kernel_and_answer_as_the_exact_path(
-        kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
+        int_dot_kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
     path, ref = tiny_gguf
     cfg = load_config(ref)
     exact = _logits(load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32,
@@ -45,7 +36,7 @@ def test_few_rows_take_the_kernel_and_answer_as_the_exact_path(
 
 
 def test_more_rows_than_the_limit_take_the_fallback_exactly(
-        kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
+        int_dot_kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
     path, ref = tiny_gguf
     model = load_gguf_model(path, load_config(ref), "cpu", int_dot_rows=4)
     layer = model.model.layers[0].self_attn.qkv_proj
@@ -58,7 +49,7 @@ def test_more_rows_than_the_limit_take_the_fallback_exactly(
 
 @pytest.mark.smollm
 def test_smollm2_file_greedy_through_the_kernel_equals_the_exact_path(
-        kernel: None, smollm2_dir: Path) -> None:
+        int_dot_kernel: None, smollm2_dir: Path) -> None:
     path, cfg = embedded_gguf_path(), load_config(smollm2_dir)
     exact = _logits(load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32,
                                     use_kernel=False), PROMPT)
