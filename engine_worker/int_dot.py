@@ -1,12 +1,14 @@
-"""Integer-dot matmuls over GGUF Q4_0 / Q4_1 / Q8_0 weights (issue 21): the C++ kernel
-(csrc/int_dot.cpp) with its load-time repacking, and the pure-torch references it is tested by.
+"""Integer-dot matmuls over GGUF block weights (issues 21, 22): the C++ kernel (csrc/int_dot.cpp)
+with its load-time repacking, and the pure-torch references it is tested by. Formats: the GGUF's
+own Q4_0 / Q4_1 / Q8_0, and q8_1 (w = d*q + m) and q8_16 (one scale per 16 inputs), the 8-bit
+forms the other GGML types are rewritten to, code for code (engine_worker/model/ggml_types.py).
 
 Data flow:
 
-    GGUF block bytes, uint8 (N, K/32 * block bytes)
-      -> pack_q4_0 / pack_q4_1 / pack_q8_0 (once, at load): 8 output rows interleaved per block
-         of 32 inputs, scales kept fp16, N padded to a multiple of 8 -> Packed
-      -> mm(packed, x): x (M <= 16, K) float32 is quantized once per call to Q8 blocks (int8
+    block bytes, uint8 (N, K/32 * block bytes)
+      -> pack(fmt, ...) (once, at load): 8 output rows interleaved per block of 32 inputs,
+         scales kept fp16, N padded to a multiple of 8 -> Packed
+      -> mm(packed, x): x (M, K) float32 is quantized once per call to Q8 blocks (int8
          codes, float32 scale amax/127, code sums for Q4_1's offset) and meets every output row
          in integer dot products (AVX512-VNNI / AVX-VNNI / AVX2 / scalar, fixed when the kernel is
          built for this host: kernel_build.load_kernel) -> y (M, N) float32
@@ -16,8 +18,7 @@ computes in float64 from the GGUF bytes: the kernel must equal it within float32
 `dequantize` gives the float64 weights for the float truth x @ W^T, which the kernel meets within
 the activations' 8-bit rounding.
 
-Not wired into the model yet: `load()` raises KernelUnavailable where no kernel can be built, and
-callers keep torch's paths for that case.
+`load()` raises KernelUnavailable where no kernel can be built; callers keep torch's paths then.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ from engine_worker.kernel_build import KernelUnavailable, load_kernel
 
 BLOCK = 32  # inputs per quantization block
 TILE = 8  # output rows interleaved per packed block
-MAX_ROWS = 16  # activation rows per kernel call
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # GGUF bytes per block of 32
+# bytes per block of 32: GGUF's own, and ours (fp16 d, fp16 m or second d, 32 int8 codes)
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36}
+OFFSET_FORMATS = ("q4_1", "q8_1")  # w = d*q + m
 FORMATS = tuple(BLOCK_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
-           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q8_0", "quantize_q8",
+           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q8_0", "pack_q8_1", "pack_q8_16",
+           "quantize_q8",
            "reference_mm"]
 
 
 class Packed(NamedTuple):
     """One weight matrix in the kernel's layout (see csrc/int_dot.cpp). T = ceil(N/8), B = K/32.
-    qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for Q8_0; d, m: float16 (T, B, 8), the
-    GGUF's own scales (the kernel converts them exactly; fp16 streams fewer bytes at one row)."""
+    qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for q8_x; d, m: float16 (T, B, 8) (d
+    (T, B, 16) for q8_16), the blocks' own scales (converted exactly; fp16 streams fewer bytes)."""
 
     fmt: str
     n: int
@@ -117,7 +120,22 @@ def pack_q8_0(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     return Packed("q8_0", n, k, _interleave(codes, n), _scales(_half(b, 0), n))
 
 
-PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0}
+def pack_q8_1(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    b = _blocks(raw, "q8_1", n, k)
+    codes = b[..., 4:].contiguous().view(torch.int8)
+    return Packed("q8_1", n, k, _interleave(codes, n), _scales(_half(b, 0), n),
+                  _scales(_half(b, 2), n))
+
+
+def pack_q8_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    b = _blocks(raw, "q8_16", n, k)
+    codes = b[..., 4:].contiguous().view(torch.int8)
+    d = torch.cat([_scales(_half(b, 0), n), _scales(_half(b, 2), n)], -1)  # (T, B, 16)
+    return Packed("q8_16", n, k, _interleave(codes, n), d.contiguous())
+
+
+PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0, "q8_1": pack_q8_1,
+           "q8_16": pack_q8_16}
 
 
 def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
@@ -150,6 +168,15 @@ def _register_fake() -> None:
     def _fake_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("kestrel::int_dot_q8_1")
+    def _fake_q8_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("kestrel::int_dot_q8_16")
+    def _fake_q8_16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
 
 def load(cache_dir: str | Path | None = None) -> None:
     """Build (first time on this host) and load the kernel; KernelUnavailable says why not.
@@ -170,8 +197,8 @@ def isa() -> str:
 
 def mm(p: Packed, x: torch.Tensor) -> torch.Tensor:
     """y (M, N) float32 = x (M, K) float32 @ W^T through the kernel (load() first)."""
-    if p.fmt == "q4_1":
-        return torch.ops.kestrel.int_dot_q4_1(x, p.qs, p.d, p.m, p.n)
+    if p.fmt in OFFSET_FORMATS:
+        return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.m, p.n)
     return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.n)
 
 
@@ -195,12 +222,20 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
                offset: bool = True) -> torch.Tensor:
-    """The GGUF weights as float64 (N, K). offset=False leaves out Q4_1's m (the part of w that
-    the kernel takes through the activations' code sums)."""
+    """The weights as float64 (N, K). offset=False leaves out the offset formats' m (the part of
+    w that the kernel takes through the activations' code sums)."""
     b = _blocks(raw, fmt, n, k)
     d = _half(b, 0).double()[..., None]
     if fmt == "q8_0":
         w = d * b[..., 2:].contiguous().view(torch.int8).double()
+    elif fmt in ("q8_1", "q8_16"):
+        q = b[..., 4:].contiguous().view(torch.int8).double()  # (N, B, 32)
+        if fmt == "q8_16":
+            d = torch.cat([d.expand(-1, -1, 16), _half(b, 2).double()[..., None].expand(
+                -1, -1, 16)], -1)
+        w = d * q
+        if fmt == "q8_1" and offset:
+            w = w + _half(b, 2).double()[..., None]
     else:
         nib = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
         q = torch.cat([nib & 0x0F, nib >> 4], -1).double()  # elements 0..15, then 16..31

@@ -175,8 +175,8 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     from engine_worker.model.gguf_native import layer_blocks, to_module
 
     blocks = layer_blocks(gguf_path, 0)
-    shapes = [(b.kind, *b.codes.shape) for b in blocks]
-    weights = num_layers * sum(int(b.codes.shape[0]) * int(b.codes.shape[1]) for b in blocks)
+    shapes = [(b.kind, b.n, b.k) for b in blocks]
+    weights = num_layers * sum(b.n * b.k for b in blocks)
     key = _key([*shapes, num_layers, copy_budget, native_q8, int_dot_isa])
     path = Path(cache_dir) / "paths" / f"{key}.json"
     bf16 = native_bf16()
@@ -195,7 +195,7 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
         candidates["dense-float32"] = (b16, 1, f32, 0)
     if bf16 and 2 * weights <= copy_budget:  # elsewhere every element is converted to float32
         candidates["dense-bfloat16"] = (b16, 1, b16, 0)  # and back: never a contender
-    if int_dot_isa and all(b.raw is not None for b in blocks):
+    if int_dot_isa and all(b.fmt != "float" for b in blocks):
         candidates[INT_DOT] = (b16, 0, b16, 16)
     layers = {name: [to_module(b, dev, dtype, True, dense, native_q8, dense_dtype, dot)
                      for b in blocks]

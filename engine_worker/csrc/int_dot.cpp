@@ -1,6 +1,8 @@
-// Integer-dot matmuls over GGUF block-quantized weights (issue 21), as llama.cpp's CPU backend
-// does: y (M, N) float32 = x (M, K) float32 @ W^T for 1..16 activation rows, W in Q4_0, Q4_1 or
-// Q8_0 blocks of 32 inputs.
+// Integer-dot matmuls over GGUF block-quantized weights (issues 21, 22), as llama.cpp's CPU
+// backend does: y (M, N) float32 = x (M, K) float32 @ W^T for any number of activation rows, W
+// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, and two 8-bit forms that hold the other GGML types
+// exactly in their codes (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1 and
+// Q5_K) and Q8_16 (w = d*q with one scale per 16 inputs, for Q6_K).
 //
 // Data flow of one call:
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
@@ -18,6 +20,10 @@
 //     d float16 (T, B, 8) (and for Q4_1 m float16 (T, B, 8)); w = d*(q-8) (Q4_0), d*q + m (Q4_1).
 //   Q8_0: qs int8 (T, B, 256): 8 vectors of 32 bytes; in vector j, bytes 4i..4i+3 are row i's
 //     codes 4j..4j+3. d float16 (T, B, 8), the GGUF's own scales; w = d*q.
+//   Q8_1: as Q8_0 plus m float16 (T, B, 8); w = d*q + m (codes 0..31).
+//   Q8_16: as Q8_0 with d float16 (T, B, 16): lanes 0..7 scale inputs 0..15 of rows 0..7,
+//     lanes 8..15 inputs 16..31; the integer dot is taken per half block (vectors 0-3, 4-7).
+// Rows are taken in groups of 64: each group meets every tile while its codes stay in cache.
 // So one 32-bit lane of a vector holds 4 consecutive inputs of one output row: a dot of 4 bytes
 // per lane (maddubs+madd, or dpbusd) against the activation's 4 matching codes broadcast to all
 // lanes leaves lane i holding row i's partial sum, with no horizontal reduction.
@@ -71,14 +77,22 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 8;      // output rows interleaved per block
-constexpr int64_t kMaxRows = 16;  // activation rows per call
-constexpr int kChunk = 4;         // activation rows that share one pass over a tile's weights
+constexpr int64_t kRowGroup = 64;  // activation rows whose codes stay in cache across tiles
+constexpr int kChunk = 4;          // activation rows that share one pass over a tile's weights
 
-enum class Fmt { Q4_0, Q4_1, Q8_0 };
+enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16 };
 
-constexpr int64_t packed_bytes(Fmt f) { return f == Fmt::Q8_0 ? 256 : 128; }
+constexpr bool is_q8(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q8_1 || f == Fmt::Q8_16; }
+constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1; }
+constexpr int64_t packed_bytes(Fmt f) { return is_q8(f) ? 256 : 128; }
+// scales per (tile, block): one per row, or for Q8_16 one per row and half-block (16 inputs)
+constexpr int64_t scales_per(Fmt f) { return f == Fmt::Q8_16 ? 2 * kTile : kTile; }
 constexpr const char* fmt_name(Fmt f) {
-  return f == Fmt::Q4_0 ? "q4_0" : f == Fmt::Q4_1 ? "q4_1" : "q8_0";
+  return f == Fmt::Q4_0   ? "q4_0"
+         : f == Fmt::Q4_1 ? "q4_1"
+         : f == Fmt::Q8_0 ? "q8_0"
+         : f == Fmt::Q8_1 ? "q8_1"
+                          : "q8_16";
 }
 
 // The activation rows quantized to Q8 blocks: codes (M, K), scales (M, B), code sums (M, B) and
@@ -154,35 +168,51 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
-    const __m256 dwv = load8h(dw + b * kTile);
-    if constexpr (F == Fmt::Q8_0) {
+    constexpr int64_t sp = scales_per(F);
+    const __m256 dwv = load8h(dw + b * sp);
+    if constexpr (is_q8(F)) {
       __m256i wabs[8], w[8];
       for (int j = 0; j < 8; ++j) {
         w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
         wabs[j] = _mm256_abs_epi8(w[j]);
       }
       for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
+        const int64_t row = r0 + r, ab = row * blocks + b;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
-        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xq + 4 * j, 4);
-          std::memcpy(&x1, xq + 4 * j + 4, 4);
-          const __m256i s0 = _mm256_sign_epi8(_mm256_set1_epi32(x0), w[j]);
-          const __m256i s1 = _mm256_sign_epi8(_mm256_set1_epi32(x1), w[j + 1]);
+        // half[h]: the integer dot over inputs 16h..16h+15 (vectors 4h..4h+3)
+        __m256i half[2];
+        for (int h = 0; h < 2; ++h) {
+          __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+          for (int j = 4 * h; j < 4 * h + 4; j += 2) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xq + 4 * j, 4);
+            std::memcpy(&x1, xq + 4 * j + 4, 4);
+            const __m256i s0 = _mm256_sign_epi8(_mm256_set1_epi32(x0), w[j]);
+            const __m256i s1 = _mm256_sign_epi8(_mm256_set1_epi32(x1), w[j + 1]);
 #if defined(KESTREL_VNNI)
-          i0 = KESTREL_DPBUSD(i0, wabs[j], s0);
-          i1 = KESTREL_DPBUSD(i1, wabs[j + 1], s1);
+            i0 = KESTREL_DPBUSD(i0, wabs[j], s0);
+            i1 = KESTREL_DPBUSD(i1, wabs[j + 1], s1);
 #else
-          i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j], s0), ones16));
-          i1 = _mm256_add_epi32(i1,
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j + 1], s1), ones16));
+            i0 = _mm256_add_epi32(i0,
+                                  _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j], s0), ones16));
+            i1 = _mm256_add_epi32(
+                i1, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j + 1], s1), ones16));
 #endif
+          }
+          half[h] = _mm256_add_epi32(i0, i1);
         }
-        const __m256i isum = _mm256_add_epi32(i0, i1);
-        const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[row * blocks + b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+        const __m256 dx = _mm256_set1_ps(a.d[ab]);
+        if constexpr (F == Fmt::Q8_16) {
+          const __m256 dhi = load8h(dw + b * sp + kTile);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), _mm256_mul_ps(dwv, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(dhi, dx), acc[r]);
+        } else {
+          const __m256i isum = _mm256_add_epi32(half[0], half[1]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dwv, dx), acc[r]);
+        }
+        if constexpr (F == Fmt::Q8_1) {
+          acc[r] = _mm256_fmadd_ps(load8h(mw + b * kTile), _mm256_set1_ps(a.s[ab]), acc[r]);
+        }
       }
     } else {
       __m256i lo[4], hi[4];
@@ -238,12 +268,22 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
       const int64_t row = r0 + r, ab = row * blocks + b;
       const int8_t* xq = a.q.data() + row * k + b * kBlock;
       for (int i = 0; i < kTile; ++i) {
+        constexpr int64_t sp = scales_per(F);
         int32_t isum = 0;
-        if constexpr (F == Fmt::Q8_0) {
+        if constexpr (is_q8(F)) {
+          int32_t half[2] = {0, 0};
           for (int j = 0; j < 8; ++j)
             for (int c = 0; c < 4; ++c)
-              isum += static_cast<int32_t>(static_cast<int8_t>(wb[32 * j + 4 * i + c])) *
-                      xq[4 * j + c];
+              half[j / 4] += static_cast<int32_t>(static_cast<int8_t>(wb[32 * j + 4 * i + c])) *
+                             xq[4 * j + c];
+          if constexpr (F == Fmt::Q8_16) {
+            out[r][i] = std::fma(static_cast<float>(half[0]), h2f(dw[b * sp + i]) * a.d[ab],
+                                 out[r][i]);
+            out[r][i] = std::fma(static_cast<float>(half[1]),
+                                 h2f(dw[b * sp + kTile + i]) * a.d[ab], out[r][i]);
+            continue;
+          }
+          isum = half[0] + half[1];
         } else {
           for (int j = 0; j < 4; ++j)
             for (int c = 0; c < 4; ++c) {
@@ -252,9 +292,9 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
             }
           if constexpr (F == Fmt::Q4_0) isum -= 8 * a.sum[ab];
         }
-        out[r][i] = std::fma(static_cast<float>(isum), h2f(dw[b * kTile + i]) * a.d[ab],
+        out[r][i] = std::fma(static_cast<float>(isum), h2f(dw[b * sp + i]) * a.d[ab],
                              out[r][i]);
-        if constexpr (F == Fmt::Q4_1) {
+        if constexpr (has_offset(F)) {
           out[r][i] = std::fma(h2f(mw[b * kTile + i]), a.s[ab], out[r][i]);
         }
       }
@@ -286,15 +326,16 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
                  const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
                  int64_t valid) {
   constexpr int64_t pb = packed_bytes(F);
-  const int64_t tile_bytes = blocks * pb, tile_scales = blocks * kTile;
+  constexpr int64_t sp = scales_per(F);
+  const int64_t tile_bytes = blocks * pb, tile_scales = blocks * sp;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
-    const __m512 dwv = load2(dw + b * kTile, dw + tile_scales + b * kTile);
-    if constexpr (F == Fmt::Q8_0) {
+    const __m512 dwv = load2(dw + b * sp, dw + tile_scales + b * sp);
+    if constexpr (is_q8(F)) {
       __m512i wabs[8];
       __mmask64 neg[8];
       for (int j = 0; j < 8; ++j) {
@@ -302,22 +343,37 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         wabs[j] = _mm512_abs_epi8(w);
         neg[j] = _mm512_movepi8_mask(w);  // AVX512 has no sign_epi8: negate x where w < 0
       }
+      __m512 dhi = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+      if constexpr (F == Fmt::Q8_16) {
+        dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
+      }
+      if constexpr (F == Fmt::Q8_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
       for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
+        const int64_t row = r0 + r, ab = row * blocks + b;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
-        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xq + 4 * j, 4);
-          std::memcpy(&x1, xq + 4 * j + 4, 4);
-          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
-          i0 = _mm512_dpbusd_epi32(i0, wabs[j], _mm512_mask_sub_epi8(b0, neg[j], zero, b0));
-          i1 = _mm512_dpbusd_epi32(i1, wabs[j + 1],
-                                   _mm512_mask_sub_epi8(b1, neg[j + 1], zero, b1));
+        __m512i half[2];
+        for (int h = 0; h < 2; ++h) {
+          __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+          for (int j = 4 * h; j < 4 * h + 4; j += 2) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xq + 4 * j, 4);
+            std::memcpy(&x1, xq + 4 * j + 4, 4);
+            const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+            i0 = _mm512_dpbusd_epi32(i0, wabs[j], _mm512_mask_sub_epi8(b0, neg[j], zero, b0));
+            i1 = _mm512_dpbusd_epi32(i1, wabs[j + 1],
+                                     _mm512_mask_sub_epi8(b1, neg[j + 1], zero, b1));
+          }
+          half[h] = _mm512_add_epi32(i0, i1);
         }
-        const __m512i isum = _mm512_add_epi32(i0, i1);
-        const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(a.d[row * blocks + b]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+        const __m512 dx = _mm512_set1_ps(a.d[ab]);
+        if constexpr (F == Fmt::Q8_16) {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[0]), _mm512_mul_ps(dwv, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(half[1]), _mm512_mul_ps(dhi, dx), acc[r]);
+        } else {
+          const __m512i isum = _mm512_add_epi32(half[0], half[1]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, dx), acc[r]);
+        }
+        if constexpr (F == Fmt::Q8_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
       }
     } else {
       __m512i lo[4], hi[4];
@@ -327,7 +383,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
       __m512 mv = _mm512_setzero_ps();
-      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + tile_scales + b * kTile);
+      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
@@ -369,29 +425,31 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
               "int_dot_", name, ": x must be a contiguous (M, K) float32 CPU tensor, got ",
               x.scalar_type(), " of shape ", x.sizes());
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "int_dot_", name, ": 1..16 rows of x, got ", rows);
+  TORCH_CHECK(rows >= 1, "int_dot_", name, ": x has no rows");
   TORCH_CHECK(k >= kBlock && k % kBlock == 0, "int_dot_", name, ": K = ", k,
               " is not a positive multiple of 32");
   const int64_t blocks = k / kBlock;
-  const auto qtype = F == Fmt::Q8_0 ? at::kChar : at::kByte;
+  const auto qtype = is_q8(F) ? at::kChar : at::kByte;
   TORCH_CHECK(qs.device().is_cpu() && qs.scalar_type() == qtype && qs.is_contiguous() &&
                   qs.dim() == 3 && qs.size(0) == tiles && qs.size(1) == blocks &&
                   qs.size(2) == packed_bytes(F),
               "int_dot_", name, ": qs must be a contiguous ", at::toString(qtype), " (", tiles,
               ", ", blocks, ", ", packed_bytes(F), ") CPU tensor for n = ", n, ", K = ", k,
               ", got ", qs.scalar_type(), " of shape ", qs.sizes());
-  auto check_scales = [&](const at::Tensor& t, const char* what) {
+  auto check_scales = [&](const at::Tensor& t, const char* what, int64_t per) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() &&
                     t.dim() == 3 && t.size(0) == tiles && t.size(1) == blocks &&
-                    t.size(2) == kTile,
+                    t.size(2) == per,
                 "int_dot_", name, ": ", what, " must be a contiguous float16 (", tiles, ", ",
-                blocks, ", 8) CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+                blocks, ", ", per, ") CPU tensor, got ", t.scalar_type(), " of shape ",
+                t.sizes());
   };
-  check_scales(d, "d");
+  constexpr int64_t sp = scales_per(F);
+  check_scales(d, "d", sp);
   const uint16_t* mp = nullptr;
-  if constexpr (F == Fmt::Q4_1) {
-    TORCH_CHECK(m.has_value(), "int_dot_q4_1: m is required");
-    check_scales(*m, "m");
+  if constexpr (has_offset(F)) {
+    TORCH_CHECK(m.has_value(), "int_dot_", name, ": m is required");
+    check_scales(*m, "m", kTile);
     mp = static_cast<const uint16_t*>(m->data_ptr());
   }
   QAct a;
@@ -408,17 +466,21 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   constexpr int64_t per_item = 1;
 #endif
   const int64_t items = (tiles + per_item - 1) / per_item;
+  // Many rows (a prefill chunk): groups of kRowGroup rows, each meeting every tile while its
+  // codes stay in cache; the weights are re-read once per group.
+  for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
+  const int64_t g1 = std::min(rows, g0 + kRowGroup);
   at::parallel_for(0, items, 8 / per_item, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t t = item * per_item;
       const uint8_t* tq = qp + t * blocks * pb;
-      const uint16_t* td = dp + t * blocks * kTile;
+      const uint16_t* td = dp + t * blocks * sp;
       const uint16_t* tm = mp ? mp + t * blocks * kTile : nullptr;
 #if defined(KESTREL_ZMM)
       if (t + 1 < tiles) {
         const int64_t col = t * kTile, valid = std::min(2 * kTile, n - col);
-        for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-          switch (std::min<int64_t>(kChunk, rows - r0)) {
+        for (int64_t r0 = g0; r0 < g1; r0 += kChunk) {
+          switch (std::min<int64_t>(kChunk, g1 - r0)) {
             case 1: tile2_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
             case 2: tile2_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
             case 3: tile2_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
@@ -429,8 +491,8 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
       }
 #endif
       const int64_t col = t * kTile, valid = std::min(kTile, n - col);
-      for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-        switch (std::min<int64_t>(kChunk, rows - r0)) {
+      for (int64_t r0 = g0; r0 < g1; r0 += kChunk) {
+        switch (std::min<int64_t>(kChunk, g1 - r0)) {
           case 1: tile_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
           case 2: tile_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
           case 3: tile_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
@@ -439,6 +501,7 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
       }
     }
   });
+  }
   return y;
 }
 
@@ -455,6 +518,16 @@ at::Tensor int_dot_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 at::Tensor int_dot_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         int64_t n) {
   return int_dot<Fmt::Q8_0>(x, qs, d, c10::nullopt, n);
+}
+
+at::Tensor int_dot_q8_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t n) {
+  return int_dot<Fmt::Q8_1>(x, qs, d, m, n);
+}
+
+at::Tensor int_dot_q8_16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                         int64_t n) {
+  return int_dot<Fmt::Q8_16>(x, qs, d, c10::nullopt, n);
 }
 
 // The activation quantizer alone, for tests: (codes int8 (M, K), scales float32 (M, K/32),
@@ -484,6 +557,8 @@ TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
   lib.def("int_dot_q4_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q4_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_q8_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_q8_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
+  lib.def("int_dot_q8_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
 }
@@ -492,5 +567,7 @@ TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
   lib.impl("int_dot_q4_0", &int_dot_q4_0);
   lib.impl("int_dot_q4_1", &int_dot_q4_1);
   lib.impl("int_dot_q8_0", &int_dot_q8_0);
+  lib.impl("int_dot_q8_1", &int_dot_q8_1);
+  lib.impl("int_dot_q8_16", &int_dot_q8_16);
   lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
 }

@@ -4,10 +4,11 @@
                                               the row count from which layers switch kernels)
 
 Two ways in:
-  - gguf_path set: the GGUF file's own blocks (Q4_0/Q4_1/Q8_0 packed), float32 activations, a
-    bfloat16 copy of each layer from `dense_min_rows` rows; with dense_min_rows AUTO on a CPU,
-    what is faster on this host is measured once and kept in the cache dir
-    (engine_worker/path_choice.py);
+  - gguf_path set: the GGUF file's own blocks, float32 activations. Q4_0/Q4_1/Q8_0 files:
+    packed, a copy of each layer from `dense_min_rows` rows, the integer-dot kernel at few rows;
+    with dense_min_rows AUTO on a CPU, what is faster on this host is measured once and kept in
+    the cache dir (engine_worker/path_choice.py). Files with K-quant or Q5 tensors: the
+    integer-dot kernel at every row count, each tensor held once (no float copy);
   - a float checkpoint: loaded in the config's dtype, then weight-only INT8/INT4 module swaps
     (engine_worker/model/quant.py). INT4's (tied) LM head is INT8 per group of 32, as the GGUF
     path's Q8_0 head: an INT4 head and a per-channel INT8 head (tried) turn SmolLM2's "The
@@ -27,7 +28,7 @@ import torch
 from engine_worker import int_dot
 from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.gguf_native import load_gguf_model
+from engine_worker.model.gguf_native import legacy_only, load_gguf_model
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
 from engine_worker.model.quant_group import load_group_gemv
@@ -73,7 +74,13 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
         paths = None
         compute = dense_dtype = torch.bfloat16
         int_dot_rows = 0
-        if dense_min_rows == AUTO and device.type == "cpu":  # measured on this host
+        # K-quant and Q5 files: the integer-dot kernel serves every matmul at every row count
+        # (torch has no packed kernel for them; a float copy would be 4-7x the file's size)
+        int_dot_all = (device.type == "cpu" and not legacy_only(cfg.gguf_path)
+                       and bool(_int_dot_isa(cfg.cache_dir)))
+        if int_dot_all:
+            dense_min_rows = 0
+        elif dense_min_rows == AUTO and device.type == "cpu":  # measured on this host
             paths = choose_paths(cfg.gguf_path, cfg.cache_dir, num_layers=model_cfg.num_layers,
                                  native_q8=native_q8, int_dot_isa=_int_dot_isa(cfg.cache_dir))
             compute = getattr(torch, paths.compute_dtype)
@@ -84,7 +91,7 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
         model = load_gguf_model(cfg.gguf_path, model_cfg, device, compute_dtype=compute,
                                 max_positions=max_positions, dense_dtype=dense_dtype,
                                 dense_min_rows=dense_min_rows, native_q8=native_q8,
-                                int_dot_rows=int_dot_rows)
+                                int_dot_rows=int_dot_rows, int_dot_all=int_dot_all)
         size = weight_bytes(model)
         return BuiltModel(model, QuantReport("gguf", size, size), paths, dense_min_rows)
     if dense_min_rows == AUTO:  # the INT4 mode's head copy is bfloat16: only if native

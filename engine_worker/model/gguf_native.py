@@ -1,25 +1,29 @@
-"""Serving a GGUF file's own quantized blocks: Q4_0/Q4_1 -> INT4 group-32, Q8_0 -> INT8 group-32.
+"""Serving a GGUF file's own quantized blocks: every matmul over the file's codes.
 
-Data flow of `load_gguf_model(gguf, folder, device)`:
+Data flow of `load_gguf_model(gguf, cfg, device)`:
 
     GGUFReader (numpy memmap of the file; no float copy of any quantized tensor)
-      -> per tensor, by GGML type:
-           Q4_1 blocks (fp16 d, fp16 m, 16 bytes of nibbles)  w = d * q + m
-                -> codes q, scale d, zero m + 8d     (our layout: w = (q - 8) * scale + zero)
-           Q4_0 blocks (fp16 d, 16 bytes)            w = d * (q - 8) -> scale d, zero 0
-           Q8_0 blocks (fp16 d, 32 int8)             w = d * q -> Int8GroupLinear codes/scales
-           F32/F16/BF16 (norms)                      -> float tensors
-           anything else (K-quants ...)              -> gguf's own dequantize, a float Linear
-      -> q/k rows un-permuted (llama.cpp's converter interleaves them for its RoPE; rows move
-         whole, so the blocks are untouched), q|k|v and gate|up concatenated by rows
+      -> ggml_types.read_tensor: each tensor in one of the integer-dot kernel's formats
+         (Q4_0/Q4_1/Q8_0 as stored; Q5_x, K-quants rewritten code for code: see ggml_types)
+      -> Llama-architecture files only: q/k rows (and biases) un-permuted (llama.cpp's converter
+         interleaves them for its RoPE; rows move whole, so the blocks are untouched)
+      -> q|k|v and gate|up concatenated by rows (kept as parts when their formats differ)
+      -> a layer per matmul:
+           int_dot_all (files with types torch has no packed kernel for): the integer-dot
+             kernel at every row count, the file's blocks held once
+           else, as measured on this host (engine_worker/path_choice.py): the integer-dot kernel
+             up to `int_dot_rows`, torch's packed INT4/INT8 kernels (Q4_x -> INT4 group-32 with
+             w = (q - 8) * scale + zero; Q8_0 -> INT8 group-32) and from `dense_min_rows` a
+             dense copy
+           no kernel built here: torch's packed layers, float32 for the other formats
+         q/k/v biases (Qwen2) added after the matmul, in float32
       -> LlamaForCausalLM built on the meta device with those modules swapped in
-      -> a tied LM head is the token embedding's Q8_0 table itself (INT8, shared)
+      -> the LM head: the file's `output` tensor, or (tied) the token embedding's table itself;
+         the embedding decodes only the rows it looks up
 
-The codes are the file's own: nothing is re-quantized. The only rounding is the storage of the
-per-block scale and zero in the kernels' compute dtype (bfloat16 on CPU); with
-`compute_dtype=torch.float32` (the exact mode the tests use) the layers reproduce the file's
-dequantization to float32 exactly. The model's config comes from the converted folder's
-config.json (same file as the float path), so both paths share one ModelConfig.
+With `compute_dtype=torch.float32` and `use_kernel=False` (the exact mode the tests use) the
+layers reproduce the file's dequantization to float32 exactly. The config comes from the GGUF's
+metadata (engine_worker/model/loader.py), the same ModelConfig the float path reads.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine_worker import int_dot
 from engine_worker.model.config import ModelConfig
+from engine_worker.model.ggml_types import Blocks, cat, read_tensor
 from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import Linear
@@ -51,55 +57,6 @@ _LAYER_NAMES = {  # GGUF suffix -> our (fused) module and its part
 _NORMS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
 
 
-class Blocks:
-    """One GGUF tensor's rows in a common form: int codes (N, K), per-32 scale and zero
-    (N, K/32) float32 (w = (q - 8) * scale + zero for int4; w = q * scale for int8), or floats."""
-
-    def __init__(self, kind: str, codes: np.ndarray, scale: np.ndarray | None = None,
-                 zero: np.ndarray | None = None, fmt: str = "",
-                 raw: np.ndarray | None = None) -> None:
-        self.kind, self.codes, self.scale, self.zero = kind, codes, scale, zero
-        # The file's own bytes, (N, K/32 * block bytes), and their GGML type ("q4_0", "q4_1",
-        # "q8_0"): what the integer-dot kernel packs (engine_worker/int_dot.py).
-        self.fmt, self.raw = fmt, raw
-
-    def take_rows(self, order: np.ndarray) -> Blocks:
-        def pick(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else a[order]
-
-        return Blocks(self.kind, self.codes[order], pick(self.scale), pick(self.zero),
-                      self.fmt, pick(self.raw))
-
-
-def read_tensor(t: Any) -> Blocks:
-    """A GGUFReader tensor -> Blocks, without dequantizing quantized types we serve."""
-    import gguf
-
-    qt = gguf.GGMLQuantizationType
-    data, kind = np.asarray(t.data), t.tensor_type
-    if kind == qt.Q4_1 or kind == qt.Q4_0:
-        per = 20 if kind == qt.Q4_1 else 18
-        blk = data.reshape(data.shape[0], -1, per)  # (N, G, bytes)
-        d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, G)
-        nib = blk[..., per - 16:]  # (N, G, 16): element j low nibble, j + 16 high
-        q = np.concatenate((nib & 0xF, nib >> 4), axis=-1).reshape(data.shape[0], -1)  # (N, K)
-        if kind == qt.Q4_1:
-            m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            zero = m + 8 * d  # w = d*q + m = (q - 8)*d + (m + 8d): exact in float32
-        else:
-            zero = np.zeros_like(d)
-        return Blocks("int4", q, d, zero, "q4_1" if kind == qt.Q4_1 else "q4_0", data)
-    if kind == qt.Q8_0:
-        blk = data.reshape(data.shape[0], -1, 34)
-        d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = blk[..., 2:].copy().view(np.int8).reshape(data.shape[0], -1)  # (N, K)
-        return Blocks("int8", q, d, None, "q8_0", data)
-    if kind in (qt.F32, qt.F16):
-        return Blocks("float", data.astype(np.float32))
-    shape = [int(x) for x in reversed(t.shape.tolist())]  # GGUF lists dims innermost first
-    return Blocks("float", gguf.dequantize(data, kind).reshape(shape).astype(np.float32))
-
-
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation (convert_hf_to_gguf `permute`):
     gguf rows = hf rows viewed (H, 2, D/2) and swapped to (H, D/2, 2)."""
@@ -109,75 +66,95 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return order
 
 
-def _cat(parts: list[Blocks]) -> Blocks:
-    if len(parts) == 1:
-        return parts[0]
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:  # mixed types in one fused matrix: dequantize the lot
-        return Blocks("float", np.concatenate([dequant(p) for p in parts]))
-    def cat(xs: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if xs[0] is None else np.concatenate(xs)  # type: ignore[arg-type]
+class Parts(nn.Module):
+    """Matrices over one input stored in different formats (a file's q|k in Q4_K with v in Q6_K):
+    each its own layer, the outputs side by side, as one fused matmul's would be."""
 
-    same = len({p.fmt for p in parts}) == 1 and all(p.raw is not None for p in parts)
-    return Blocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.scale for p in parts]),
-                  cat([p.zero for p in parts]), parts[0].fmt if same else "",
-                  cat([p.raw for p in parts]) if same else None)
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def dequant(b: Blocks) -> np.ndarray:
-    """The float32 (N, K) matrix a Blocks stands for (the reference the tests compare to)."""
-    if b.kind == "float":
-        return b.codes
-    def rep(a: np.ndarray | None) -> np.ndarray:
-        return np.repeat(a, 32, axis=1)
+class Biased(nn.Module):
+    """A bias-free layer plus the file's float32 bias."""
 
-    if b.kind == "int8":
-        return b.codes.astype(np.float32) * rep(b.scale)
-    return (b.codes.astype(np.float32) - 8) * rep(b.scale) + rep(b.zero)
+    def __init__(self, layer: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.layer = layer
+        self.bias = nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x)
+        return y + self.bias.to(y.dtype)
+
+
+class BlockEmbedding(nn.Module):
+    """Token embedding over a table's blocks (any kernel format): decodes the rows looked up.
+    No `weight` attribute: there is no float table."""
+
+    def __init__(self, b: Blocks, device: torch.device) -> None:
+        super().__init__()
+        self.fmt, self.num_embeddings, self.embedding_dim = b.fmt, b.n, b.k
+        self.raw: torch.Tensor
+        self.register_buffer("raw", torch.from_numpy(np.ascontiguousarray(b.raw)).to(device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw.index_select(0, ids.reshape(-1))
+        w = int_dot.dequantize(self.fmt, rows, rows.shape[0], self.embedding_dim)
+        return w.to(torch.float32).reshape(*ids.shape, self.embedding_dim)
 
 
 def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_kernel: bool,
               dense_min_rows: int, native_q8: bool = False,
-              dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0) -> nn.Module:
-    """Blocks -> a layer computing x @ w.T (INT4/INT8 for quantized kinds, Linear for float);
-    with `int_dot_rows` (the int_dot kernel loaded), up to that many rows take the integer-dot
-    kernel over the file's own blocks."""
+              dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0,
+              int_dot_all: bool = False, bias: torch.Tensor | None = None) -> nn.Module:
+    """Blocks -> a layer computing x @ w.T (+ bias): the integer-dot kernel at every row count
+    (`int_dot_all`), or INT4/INT8 packed layers (Linear for float) with the integer-dot kernel
+    up to `int_dot_rows` rows in front of them (the int_dot kernel loaded by the caller)."""
+    on_cpu = device.type == "cpu"
+    if int_dot_all and b.fmt != "float" and on_cpu:
+        return IntDotLinear.from_gguf(b.fmt, b.raw, None, 0, b.n, b.k, bias)
     layer = _packed_module(b, device, compute_dtype, use_kernel, dense_min_rows, native_q8,
                            dense_dtype)
-    if int_dot_rows and b.raw is not None and device.type == "cpu":
-        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, int_dot_rows)
-    return layer
+    if int_dot_rows and b.fmt != "float" and on_cpu:
+        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, int_dot_rows, b.n, b.k, bias)
+    return layer if bias is None else Biased(layer, bias.to(device))
 
 
 def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
                    use_kernel: bool, dense_min_rows: int, native_q8: bool,
                    dense_dtype: torch.dtype) -> nn.Module:
-    codes = torch.from_numpy(np.ascontiguousarray(b.codes)).to(device)
+    if b.kind == "float":  # (formats torch has no packed kernel for, where ours is not built)
+        lin = Linear(b.k, b.n, bias=False, device="meta")
+        lin.weight = nn.Parameter(torch.from_numpy(b.floats()).to(device), requires_grad=False)
+        return lin
+    q, scale, zero = b.codes_scales()
+    codes = torch.from_numpy(np.ascontiguousarray(q)).to(device)
     if b.kind == "int4":
-        n = codes.shape[0]
-        kernel = use_kernel and n % 16 == 0
+        kernel = use_kernel and b.n % 16 == 0
         cd = compute_dtype if kernel else torch.float32
-        s = torch.from_numpy(b.scale).to(device, cd)
-        z = torch.from_numpy(b.zero).to(device, cd)
+        s = torch.from_numpy(scale).to(device, cd)
+        z = torch.from_numpy(zero).to(device, cd)  # type: ignore[arg-type]
         layer = Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
         if kernel and dense_min_rows:
-            layer.keep_dense(dense_min_rows, torch.from_numpy(dequant(b)).to(device), dense_dtype)
+            layer.keep_dense(dense_min_rows, torch.from_numpy(b.floats()).to(device), dense_dtype)
         return layer
-    if b.kind == "int8":
-        return Int8GroupLinear(codes, torch.from_numpy(b.scale).to(device), use_kernel=use_kernel,
-                               dense_min_rows=dense_min_rows, native=native_q8 and use_kernel,
-                               compute_dtype=compute_dtype, dense_dtype=dense_dtype)
-    n, k = codes.shape
-    lin = Linear(k, n, bias=False, device="meta")
-    lin.weight = nn.Parameter(codes.to(torch.float32), requires_grad=False)
-    return lin
+    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), use_kernel=use_kernel,
+                           dense_min_rows=dense_min_rows, native=native_q8 and use_kernel,
+                           compute_dtype=compute_dtype, dense_dtype=dense_dtype)
 
 
 def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
     use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
-    dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0,
+    dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0, int_dot_all: bool = False,
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
     packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
@@ -190,28 +167,21 @@ def load_gguf_model(
     t0 = time.monotonic()
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
-    if cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias:
-        raise ValueError("GGUF-native loading covers bias-free Llama layers; use --dtype float32")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    floats: dict[str, torch.Tensor] = {}
-    q_order = unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
-    k_order = unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
-    def mk(b: Blocks) -> nn.Module:
-        return to_module(b, device, compute_dtype, bool(use_kernel), dense_min_rows, native_q8,
-                         dense_dtype, int_dot_rows)
 
-    def mk_head(b: Blocks) -> nn.Module:
+    def mk(b: Blocks, bias: torch.Tensor | None = None, head: bool = False) -> nn.Module:
         # A float32 copy of the head (113 MB for SmolLM2) would serve only batches of many
         # sequences (the head sees one row a sequence); a bfloat16 copy earns its keep there.
-        rows = dense_min_rows if dense_dtype == torch.bfloat16 else 0
+        rows = (dense_min_rows if dense_dtype == torch.bfloat16 else 0) if head else dense_min_rows
         return to_module(b, device, compute_dtype, bool(use_kernel), rows, native_q8,
-                         int_dot_rows=int_dot_rows)
+                         torch.bfloat16 if head else dense_dtype, int_dot_rows, int_dot_all, bias)
 
+    floats: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
-        for target, b in _layer_parts(tensors, i, q_order, k_order).items():
+        for target, (blocks, biases) in _layer_parts(tensors, i, cfg).items():
             parent, _, attr = target.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, mk(b))
+            setattr(layer.get_submodule(parent), attr, _fused(blocks, biases, mk))
         for suffix, name in _NORMS.items():
             floats[f"model.layers.{i}.{name}"] = _float(tensors[f"blk.{i}.{suffix}.weight"])
         if (i + 1) % 10 == 0 or i + 1 == cfg.num_layers:
@@ -221,15 +191,16 @@ def load_gguf_model(
     embed = read_tensor(tensors["token_embd.weight"])
     head = read_tensor(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
-    if embed.kind == "int8":  # the head reads the same table unless the file has its own
-        table = mk_head(embed)
-        rows = table.fallback if isinstance(table, IntDotLinear) else table  # the INT8 table
+    if head is None and embed.kind == "int8" and not int_dot_all:
+        table = mk(embed, head=True)  # tied: the head and the embedding read one INT8 table
+        rows = table.fallback if isinstance(table, IntDotLinear) else table
         model.model.embed_tokens = Int8GroupEmbedding(rows, torch.float32)  # type: ignore
-        model.lm_head = table if head is None else mk_head(head)
+        model.lm_head = table
     else:
-        model.model.embed_tokens = nn.Embedding.from_pretrained(
-            torch.from_numpy(dequant(embed)).to(device), freeze=True)
-        model.lm_head = None if head is None else mk_head(head)
+        model.lm_head = mk(embed if head is None else head, head=True)
+        model.model.embed_tokens = (
+            nn.Embedding.from_pretrained(torch.from_numpy(embed.raw).to(device), freeze=True)
+            if embed.fmt == "float" else BlockEmbedding(embed, device))  # type: ignore
     model.load_state_dict({k: v.to(device) for k, v in floats.items()}, strict=False,
                           assign=True)
     left = [n for n, t in model.state_dict(keep_vars=True).items()
@@ -237,31 +208,68 @@ def load_gguf_model(
     if left:
         raise ValueError(f"GGUF file has no tensors for {left[:5]}")
     model.requires_grad_(False).eval()
-    model.init_rope(max_positions or cfg.max_position_embeddings, device, torch.float32)
+    factors = tensors.get("rope_freqs.weight")
+    model.init_rope(max_positions or cfg.max_position_embeddings, device, torch.float32,
+                    None if factors is None or cfg.rope_scaling else _float(factors))
     log.info("gguf-native weights loaded in %.1f s", time.monotonic() - t0)
     return model
 
 
-def _layer_parts(tensors: dict[str, Any], i: int, q_order: np.ndarray | None = None,
-                 k_order: np.ndarray | None = None) -> dict[str, Blocks]:
-    """Layer i's fused matmuls (q|k|v, o, gate|up, down) as Blocks, by target module."""
-    parts: dict[str, list[Blocks]] = {}
+def _fused(blocks: list[Blocks], biases: list[torch.Tensor | None],
+           mk: Any) -> nn.Module:
+    """One layer for matrices over the same input: one matmul when they share a format."""
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(p.n) if b is None else b for p, b in zip(blocks, biases, strict=True)])
+    if len({b.fmt for b in blocks}) == 1:
+        return mk(cat(blocks), bias)
+    return Parts([mk(p, b) for p, b in zip(blocks, biases, strict=True)])
+
+
+def _layer_parts(tensors: dict[str, Any], i: int, cfg: ModelConfig | None = None,
+                 ) -> dict[str, tuple[list[Blocks], list[torch.Tensor | None]]]:
+    """Layer i's matmuls (q, k, v | o | gate, up | down) and their biases, by target module.
+    Llama-architecture files have q/k rows permuted by llama.cpp's converter: undone here."""
+    permuted = cfg is not None and cfg.model_type in ("llama", "mistral")
+    orders = {} if cfg is None or not permuted else {
+        "attn_q": unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads),
+        "attn_k": unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)}
+    parts: dict[str, tuple[list[Blocks], list[torch.Tensor | None]]] = {}
     for suffix, (target, _) in sorted(_LAYER_NAMES.items(), key=lambda kv: kv[1][1]):
         b = read_tensor(tensors[f"blk.{i}.{suffix}.weight"])
-        order = q_order if suffix == "attn_q" else k_order if suffix == "attn_k" else None
+        bias_t = tensors.get(f"blk.{i}.{suffix}.bias")
+        bias = None if bias_t is None else _float(bias_t).reshape(-1)
+        order = orders.get(suffix)
         if order is not None:
             b = b.take_rows(order)
-        parts.setdefault(target, []).append(b)
-    return {target: _cat(blocks) for target, blocks in parts.items()}
+            bias = None if bias is None else bias[torch.from_numpy(order)]
+        blocks, biases = parts.setdefault(target, ([], []))
+        blocks.append(b)
+        biases.append(bias)
+    return parts
 
 
 def layer_blocks(gguf_path: Path, i: int = 0) -> list[Blocks]:
-    """Layer i's fused matmuls, rows as stored (for timing them: engine_worker/path_choice)."""
+    """Layer i's matmuls, rows as stored, fused where they share a format (for timing them:
+    engine_worker/path_choice)."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    return list(_layer_parts({t.name: t for t in reader.tensors}, i).values())
+    out = []
+    for blocks, _ in _layer_parts({t.name: t for t in reader.tensors}, i).values():
+        out += [cat(blocks)] if len({b.fmt for b in blocks}) == 1 else blocks
+    return out
+
+
+def legacy_only(gguf_path: Path) -> bool:
+    """Whether every quantized tensor is Q4_0, Q4_1 or Q8_0 (the types torch's packed kernels
+    and the measured path choice cover); K-quant and Q5 files are served by int_dot alone."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType
+    plain = {qt.F32, qt.F16, qt.BF16, qt.Q4_0, qt.Q4_1, qt.Q8_0}
+    return all(t.tensor_type in plain for t in gguf.GGUFReader(str(gguf_path)).tensors)
 
 
 def _float(t: Any) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(read_tensor(t).codes))
+    b = read_tensor(t)
+    return torch.from_numpy(np.ascontiguousarray(b.floats()))

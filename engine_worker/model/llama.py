@@ -90,15 +90,19 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(
         self, max_positions: int, device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, freq_factors: torch.Tensor | None = None,
     ) -> None:
         """Precompute cos and signed sin tables (max_positions, 1, D) in the model dtype, on the
         weights' device (or the ones given, for an embedding with no float weight): a step then
-        only indexes them by position."""
+        only indexes them by position. `freq_factors` (D/2,): a GGUF's `rope_freqs` tensor (how
+        llama.cpp's converter writes Llama 3.1's RoPE scaling) divides the inverse frequencies."""
         w = self.model.embed_tokens.weight if device is None or dtype is None else \
             torch.empty(0, device=device, dtype=dtype)
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, rope_inv_freq(self.config))  # (P, D/2)
+        inv_freq = rope_inv_freq(self.config)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.float()
+        freqs = torch.outer(pos, inv_freq)  # (P, D/2)
         cos, sin = freqs.cos(), freqs.sin()
         # Computed in float32 and then cast, as the reference does, so both see the same values.
         self.rope_cos = torch.cat((cos, cos), -1).to(w.device, w.dtype).unsqueeze(1)  # (P, 1, D)

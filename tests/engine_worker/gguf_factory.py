@@ -5,6 +5,7 @@ dequantizer, HF names and row order): what a dequantize-then-float32 load comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -33,9 +34,58 @@ def _gguf_name(hf: str) -> str:
         return "output_norm.weight"
     if hf == "lm_head.weight":
         return "output.weight"
-    _, _, i, rest = hf.split(".", 3)  # model.layers.I.<module>.weight
-    module = rest.rsplit(".", 1)[0]
-    return f"blk.{i}.{_NAMES[module]}.weight"
+    _, _, i, rest = hf.split(".", 3)  # model.layers.I.<module>.weight|bias
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{_NAMES[module]}.{kind}"
+
+
+def write_state_gguf(state: dict[str, np.ndarray], out: Path, arch: str,
+                     qtype_of: Callable[[str], gguf.GGMLQuantizationType], heads: int,
+                     kv_heads: int, extra: dict[str, np.ndarray] | None = None) -> Path:
+    """HF-named float weights -> a GGUF of `arch` (tensors only): 2-D weights in the type
+    `qtype_of(hf name)` gives (K-quants by tests/engine_worker/kquant_factory.py), 1-D ones
+    (norms, biases) F32; q/k rows and biases permuted as llama.cpp's converter does for "llama"
+    only. `extra`: more F32 tensors by GGUF name (rope_freqs)."""
+    from tests.engine_worker.kquant_factory import quantize
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    for name, w in state.items():
+        w = np.asarray(w, dtype=np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            w = _permute(w, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _permute(w, kv_heads)
+        if w.ndim == 1:
+            writer.add_tensor(_gguf_name(name), w)
+            continue
+        qtype = qtype_of(name)
+        writer.add_tensor(_gguf_name(name), quantize(w, qtype), raw_dtype=qtype)
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, np.asarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def served_state(state: dict[str, np.ndarray],
+                 qtype_of: Callable[[str], gguf.GGMLQuantizationType]) -> dict[str, torch.Tensor]:
+    """The float32 weights a `write_state_gguf` file is served as: each 2-D weight quantized,
+    rewritten to its kernel format (engine_worker/model/ggml_types.py) and read back."""
+    from engine_worker.model.ggml_types import Blocks, convert
+    from tests.engine_worker.kquant_factory import quantize
+
+    out = {}
+    for name, w in state.items():
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim == 2:
+            qtype = qtype_of(name)
+            got = convert(qtype, quantize(w, qtype), *w.shape)
+            assert got is not None, qtype
+            w = Blocks(got[0], got[1], *w.shape).floats()
+        out[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return out
 
 
 def write_gguf(folder: Path, out: Path, layer_type: gguf.GGMLQuantizationType,

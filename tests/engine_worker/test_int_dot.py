@@ -1,5 +1,6 @@
 """The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
-and Q8_0 weights made by the `gguf` package: equal to the Q8-activation reference within float32
+and Q8_0 weights made by the `gguf` package, and over q8_1 / q8_16 (the forms Q5_1/Q5_K and Q6_K
+are rewritten to): equal to the Q8-activation reference within float32
 accumulation, within the activations' 8-bit rounding of the float truth, the same bits for a row
 alone or in a batch, clear errors on bad input, and the ISA path the build was capped to.
 
@@ -20,17 +21,23 @@ import torch
 
 from engine_worker import int_dot
 from engine_worker.kernel_build import _cpu_flags, isa_cap
+from engine_worker.model.ggml_types import convert
+from tests.engine_worker.kquant_factory import quantize
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
-ROWS = (1, 2, 3, 4, 7, 8, 16)
+SOURCE = {"q8_1": Q.Q5_1, "q8_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
+ROWS = (1, 2, 3, 4, 7, 8, 16, 67)  # 67: more than one group of 64 rows
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
 
 
 @cache
 def _weights(fmt: str, n: int, k: int) -> np.ndarray:
-    """GGUF block bytes (N, K/32 * block bytes) of random weights, quantized by gguf."""
+    """Block bytes (N, K/32 * block bytes) of random weights, quantized by gguf (our own forms:
+    random codes and scales, as K need not be a multiple of Q6_K's 256)."""
+    if fmt not in QTYPES:
+        return _random_blocks(fmt, n, k, n * 7919 + k)
     rng = np.random.default_rng(n * 7919 + k + len(fmt))
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[:, :32] += 0.7  # an offset block: Q4_1's m is far from zero there
@@ -44,10 +51,18 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def test_dequantize_equals_gguf() -> None:
-    for fmt in int_dot.FORMATS:
+    for fmt in QTYPES:
         raw = _weights(fmt, 40, 96)
         want = torch.from_numpy(gguf.quants.dequantize(raw, QTYPES[fmt])).double()
         assert torch.equal(int_dot.dequantize(fmt, raw, 40, 96), want)
+    for fmt, qtype in SOURCE.items():  # rewritten from a GGML type: within fp16 scale rounding
+        w = np.random.default_rng(3).standard_normal((40, 256)).astype(np.float32)
+        raw = quantize(w, qtype)
+        got_fmt, ours = convert(qtype, raw, 40, 256)  # type: ignore[misc]
+        want = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
+        assert got_fmt == fmt
+        torch.testing.assert_close(int_dot.dequantize(fmt, ours, 40, 256), want, rtol=2e-3,
+                                   atol=1e-3 * want.abs().max().item())
 
 
 def test_packed_layout() -> None:
@@ -138,8 +153,8 @@ def test_bad_input_raises_clear_errors(int_dot_kernel: None) -> None:
     raw = _weights("q4_1", 96, 64)
     p = int_dot.pack_q4_1(raw, 96, 64)
     op = torch.ops.kestrel.int_dot_q4_1
-    with pytest.raises(RuntimeError, match="1..16 rows"):
-        int_dot.mm(p, torch.randn(17, 64))
+    with pytest.raises(RuntimeError, match="no rows"):
+        int_dot.mm(p, torch.randn(0, 64))
     with pytest.raises(RuntimeError, match="float32"):
         int_dot.mm(p, torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -188,8 +203,10 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (n, k // 32, int_dot.BLOCK_BYTES[fmt]), dtype=np.uint8)
     b[..., :2] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
-    if fmt == "q4_1":
+    if fmt in ("q4_1", "q8_1"):
         b[..., 2:4] = rng.uniform(-0.5, 0, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "q8_16":  # the second half-block's scale
+        b[..., 2:4] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)
 
 
@@ -199,6 +216,9 @@ GOLDEN = {
     "q4_0": "a83cdec324a893163a3c90aa8b61f3ab13c486582b2474e521662271fab47c76",
     "q4_1": "43e0736a4e429a57726eb45f15a719a674c5ce4886f75ed5f14137f0bd963b29",
     "q8_0": "a28451875965f3ca62fddb009702803f5d47acd129d3ef1163dea5f6686fd597",
+    # (these two: checked from AVX512-VNNI and AVX2 builds)
+    "q8_1": "56bb5cce154dc035675dd7b9ad626c313b663f35b8949846d6aa25186b94e918",
+    "q8_16": "02bc03db0513341670a2e4cfa9149f224a9eeb0fedce2fd83e651aad451cf0eb",
 }
 
 
@@ -220,7 +240,7 @@ def test_ops_pass_torch_opcheck(int_dot_kernel: None, fmt: str) -> None:
     """Schema, shape-only (fake) version for torch.compile, and dispatch registrations."""
     p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
     x = _x(3, 64, 0)
-    args = (x, p.qs, p.d, p.m, p.n) if fmt == "q4_1" else (x, p.qs, p.d, p.n)
+    args = (x, p.qs, p.d, p.m, p.n) if p.m is not None else (x, p.qs, p.d, p.n)
     torch.library.opcheck(getattr(torch.ops.kestrel, f"int_dot_{fmt}").default, args)
 
 
