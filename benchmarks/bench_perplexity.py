@@ -10,7 +10,10 @@ half of each window and drops a short last window: llama.cpp's `llama-perplexity
 chunk of n_ctx tokens is evaluated alone and tokens n_ctx/2+1 .. n_ctx-1 are scored; SmolLM2's
 GGUF adds no BOS, so no token is replaced). With `--llama-perplexity PATH` that binary is run on
 the same text, cut to the same tokens, with -c --window, and its figure is printed beside ours:
-the issue's "within 0.5 % of llama.cpp's quantization of the same file". Modes:
+the issue's "within 0.5 % of llama.cpp's quantization of the same file". The two figures are
+compared only on the same tokens: with `--llama-tokenize PATH` (default: the llama-tokenize beside
+llama-perplexity, if there) llama.cpp tokenizes the text first, and the script refuses to go on
+when its ids differ from ours (without it the streams are not checked, and it says so). Modes:
   float32   the GGUF dequantized to float32 by transformers (the converted folder): what the
             file's blocks mean exactly, the reference
   gguf      the file's own Q4_1/Q8_0 blocks served packed (--dtype auto, the default)
@@ -24,6 +27,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,16 +58,38 @@ def llama_perplexity(binary: Path, gguf: Path, text: str, window: int, chunks: i
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
-        f.write(text)
+        f.write(text + "\n")  # -f drops one trailing newline: it then reads exactly `text`
         f.flush()
-        out = subprocess.run(
+        out = subprocess.run(  # --no-escape: -f turns a backslash-n in the text into a newline
             [str(binary), "-m", str(gguf), "-f", f.name, "-c", str(window), "-b", str(window),
-             "--chunks", str(chunks), "-t", str(threads)],
+             "--chunks", str(chunks), "-t", str(threads), "--no-escape"],
             capture_output=True, text=True, check=True)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if found is None:
         raise RuntimeError("llama-perplexity printed no final estimate:\n" + out.stderr[-2000:])
     return float(found.group(1))
+
+
+def check_llama_tokens(binary: Path, gguf: Path, text: str, ids: list[int], tok: Any) -> None:
+    """Refuse (SystemExit) when llama.cpp tokenizes `text` other than into `ids`: the figures
+    would then be of two token streams. Tokenized as llama-perplexity does it (no special
+    tokens parsed; SmolLM2's GGUF asks for no BOS)."""
+    import json
+    import subprocess
+
+    out = subprocess.run([str(binary), "-m", str(gguf), "--stdin", "--no-escape", "--ids",
+                          "--no-bos", "--no-parse-special", "--log-disable"],
+                         input=text.encode("utf-8"), capture_output=True, check=True)
+    theirs = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    if theirs == ids:
+        print(f"llama.cpp tokenizes the text into the same {len(ids)} tokens", flush=True)
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ids, theirs, strict=False)) if a != b),
+              min(len(ids), len(theirs)))
+    pieces = [[tok.id_to_token(i) for i in s[max(0, at - 3) : at + 5]] for s in (ids, theirs)]
+    raise SystemExit(f"refusing to compare with llama-perplexity: our tokenizer gives {len(ids)} "
+                     f"tokens, llama.cpp {len(theirs)}; first difference at token {at}: ours "
+                     f"{pieces[0]}, llama.cpp {pieces[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="half: score the second half of each window (llama-perplexity's rule)")
     ap.add_argument("--llama-perplexity", type=Path, default=None,
                     help="llama.cpp's llama-perplexity binary: its figure on the same text")
+    ap.add_argument("--llama-tokenize", type=Path, default=None,
+                    help="llama.cpp's llama-tokenize: refuse to compare unless its tokens are "
+                         "ours (default: beside --llama-perplexity, if there)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -105,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_perplexity is not None:
         if not half:
             print("llama-perplexity scores half windows: pass --score half to compare", flush=True)
+        tokenize = args.llama_tokenize or args.llama_perplexity.with_name("llama-tokenize")
+        if tokenize.is_file():
+            check_llama_tokens(tokenize, embedded_gguf_path(), text, ids, tok)
+        else:
+            print(f"not checked that llama.cpp reads the same tokens: no {tokenize} "
+                  "(pass --llama-tokenize)", flush=True)
         llama = llama_perplexity(args.llama_perplexity, embedded_gguf_path(), text,
                                  args.window, len(ids) // args.window, args.threads)
         print(f"llama.cpp perplexity {llama:.4f}  (llama-perplexity, same GGUF, same text)",

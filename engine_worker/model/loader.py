@@ -143,8 +143,11 @@ def save_gguf_tokenizer(gguf: Path, out: Path) -> None:
     """Write only the tokenizer of a GGUF file (tokenizer.json, config, chat template) to `out`."""
     from transformers import AutoTokenizer
 
+    from engine_worker.model.pretokenizer import rewrite_tokenizer_json
+
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     tok.save_pretrained(out)
+    rewrite_tokenizer_json(gguf, out)  # transformers' converter loses the file's pre-tokenizer
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
