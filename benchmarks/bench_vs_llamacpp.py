@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf or embedded_gguf_path()
     from engine_worker.config import cache_dir_from_env
     cache = cache_dir_from_env()
-    tokenizer = resolve_checkpoint(str(gguf), cache) / "tokenizer.json"
+    tokenizer = resolve_checkpoint(str(gguf), cache, weights=False) / "tokenizer.json"
     modes = {f"ours {d}": d for d in args.ours.split(",") if d}
     servers: list[str] = list(modes)
     if args.llama_server is None:

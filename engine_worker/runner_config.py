@@ -73,11 +73,13 @@ class RunnerConfig:
     def from_worker(cls, cfg: WorkerConfig) -> RunnerConfig:
         """The runner the worker's settings name: the checkpoint found (a GGUF file converted
         into the cache dir once), the dtype resolved, the KV budget measured now."""
-        from engine_worker.model.loader import resolve_checkpoint, resolve_dtype
+        from engine_worker.model.loader import gguf_source, resolve_checkpoint, resolve_dtype
 
         cache = Path(cfg.cache_dir)
-        checkpoint = resolve_checkpoint(cfg.model, cache)
+        checkpoint = resolve_checkpoint(cfg.model, cache, weights=False)
         dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
+        if gguf is None and gguf_source(cfg.model) is not None:  # a float path asked of a GGUF
+            checkpoint = resolve_checkpoint(cfg.model, cache)
         return cls(
             model_path=checkpoint,
             kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
@@ -104,10 +106,12 @@ class RunnerConfig:
         settings.setdefault("cache_dir", str(cache_dir_from_env()))
         return cls.from_worker(WorkerConfig(model=str(model), **settings))  # type: ignore[arg-type]
 
-    def for_draft(self, checkpoint: Path) -> RunnerConfig:
-        """A speculative draft model's runner beside this one: the same device, dtype, KV
-        budget (so --kv-cache-memory bounds the draft's cache as it does the target's), block
-        size, attention path and cache dir; its own float checkpoint, eager, at its own context."""
-        return replace(self, model_path=Path(checkpoint), gguf_path=None, quantization="none",
-                       dense_min_rows=AUTO, compile_mode="off", max_model_len=None,
-                       num_threads=None)
+    def for_draft(self, checkpoint: Path, gguf_path: Path | None = None) -> RunnerConfig:
+        """A speculative draft model's runner beside this one: the same device, KV budget (so
+        --kv-cache-memory bounds the draft's cache as it does the target's), block size,
+        attention path and cache dir; its own checkpoint (a GGUF served from its own blocks,
+        float32 activations), eager, at its own context."""
+        return replace(self, model_path=Path(checkpoint), gguf_path=gguf_path,
+                       dtype="float32" if gguf_path is not None else self.dtype,
+                       quantization="none", dense_min_rows=AUTO, compile_mode="off",
+                       max_model_len=None, num_threads=None)

