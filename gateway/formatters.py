@@ -13,7 +13,6 @@ from typing import Any
 
 from gateway.generation import ChoiceEvent, Generation
 from gateway.intake import EngineRequest
-from gateway.tools import ToolStream
 
 
 class Formatter:
@@ -128,7 +127,7 @@ class ChatFormatter(Formatter):
 
     def __init__(self, req: EngineRequest, gen: Generation) -> None:
         super().__init__(req, gen)
-        self.tool_streams = [ToolStream(self.tool_plan) for _ in range(gen.params.n)] \
+        self.tool_streams = [self.tool_plan.stream() for _ in range(gen.params.n)] \
             if self.tool_plan else []
 
     def _logprobs(self, entries: list[list]) -> dict[str, Any] | None:
@@ -169,7 +168,8 @@ class ChatFormatter(Formatter):
         return [self._chunk([choice], **self._final_extras(event))]
 
     def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
-        """Content passes through; a tool call is sent as tool_calls deltas when it is whole."""
+        """Content passes through; tool calls are sent as tool_calls deltas when the choice
+        ends (gateway.tool_calls)."""
         deltas, finish = self.tool_streams[event.index].feed(event.text, event.finish_reason)
         chunks = []
         for k, delta in enumerate(deltas):

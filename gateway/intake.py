@@ -2,8 +2,9 @@
 
     read: the body (413/408/400, gateway.body) ──parse──▶ the route's schema (422)
           ──▶ Draft: the body and its deadline (arrival + its timeout, within the default)
-    prepare: the prompt (the route's: text, token ids, or chat messages with tools rendered)
-          ──▶ limits (422) ──▶ grammar (400) ──▶ model (404/503) ──▶ tokens, in a thread (400)
+    prepare: model (404/503) ──▶ the prompt (the route's: text, token ids, or chat messages
+             with tools, in the model template's own format where it has one: gateway.tools)
+          ──▶ limits (422) ──▶ grammar (400) ──▶ tokens, in a thread (400)
           ──▶ sampling parameters: max_tokens within the cap, the context (400) and what the
               model's workers were measured to finish before the deadline ──▶ EngineRequest
 
@@ -14,6 +15,7 @@ EngineRequest is what gateway.admit sends and what the formatters render from.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from gateway.service_time import ServiceTimes
 from gateway.structured import request_grammar
 from gateway.tenancy import cache_salt
 from gateway.tokenizer import ChatTemplateError, GatewayTokenizer
-from gateway.tools import ToolPlan, render_messages
+from gateway.tools import ToolPlan, render_messages, template_messages, template_tools
 from protocol import messages as m
 
 Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long prompt is CPU work
@@ -126,7 +128,8 @@ class Intake:
 
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
         cfg = self.cfg
-        body, tool_plan, chars, encode = self._prompt(draft.body)
+        model = self.model(draft.body.model)
+        body, tool_plan, chars, encode = self._prompt(draft.body, model.tokenizer)
         if getattr(body, "logit_bias", None):
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
                            code="unsupported_parameter")
@@ -139,7 +142,6 @@ class Intake:
         # Structured output / tool grammar: a bad one is a 400 before anything is tokenized.
         grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None,
                                         key or draft.address)
-        model = self.model(body.model)
         try:
             ids = await offload.run("tokenize", encode, model.tokenizer)
         except ChatTemplateError as exc:
@@ -158,21 +160,30 @@ class Intake:
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan)
 
-    def _prompt(self, body: Any) -> tuple[Any, ToolPlan | None, int, Encode]:
+    def _prompt(self, body: Any, tokenizer: GatewayTokenizer
+                ) -> tuple[Any, ToolPlan | None, int, Encode]:
         """The body (a one-prompt batch unwrapped), a chat's tool plan, the prompt's length in
         characters, and how it becomes tokens."""
         if isinstance(body, ChatCompletionRequest):
-            tool_plan = ToolPlan.from_request(body)
-            # Tool calls and results become plain turns; tools go into the system message.
-            messages = render_messages(body.messages, body.tools if tool_plan else None)
+            tool_plan = ToolPlan.from_request(body, tokenizer)
+            tools = None
+            if tokenizer.native_tools:  # the template renders tools, calls and results itself
+                messages = template_messages(body.messages)
+                tools = template_tools(body.tools) if tool_plan else None
+                chars = sum(len(msg.text()) for msg in body.messages) + len(json.dumps(tools)
+                                                                            if tools else "")
+            else:  # calls and results become plain turns; tools go into the system message
+                messages = render_messages(body.messages, body.tools if tool_plan else None)
+                chars = sum(len(msg["content"]) for msg in messages)
             limit, timeout = self.rendered_prompt_limit, self.cfg.template_timeout_s
 
             def chat(tok: GatewayTokenizer) -> list[int]:
                 # max_prompt_chars counts the messages' text; the rendering is bounded too.
-                text = tok.apply_chat_template(messages, max_chars=limit, timeout_s=timeout)
+                text = tok.apply_chat_template(messages, tools=tools, max_chars=limit,
+                                               timeout_s=timeout)
                 return tok.encode(text, add_special_tokens=False)
 
-            return body, tool_plan, sum(len(msg["content"]) for msg in messages), chat
+            return body, tool_plan, chars, chat
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

@@ -1,12 +1,21 @@
-"""Tool calling for chat models whose template has no tools branch (SmolLM2's has none).
+"""Tool calling: a request's tools into the prompt, a grammar for its tool_choice, calls back out.
 
     request (tools, tool_choice, messages with tool_calls / role "tool")
-      ──ToolPlan.messages──▶ plain system/user/assistant messages ──chat template──▶ prompt
+      ──ToolPlan.from_request──▶ the plan: which tools may be called, and in which prompt format
+      ──prompt──▶ native: template_messages + template_tools, passed to the model's own template
+                  generic: render_messages, plain turns with our tools prompt in the system turn
       ──ToolPlan.lark──▶ a grammar (gateway.structured validates it; the worker enforces it)
-    output text ──ToolPlan.parse──▶ message.tool_calls + finish_reason "tool_calls"
-    streamed text ──ToolStream.feed──▶ content deltas, or tool_calls deltas with their index
+    output text ──ToolPlan.message──▶ content + message.tool_calls + finish_reason "tool_calls"
+    streamed text ──ToolPlan.stream().feed──▶ content deltas, then tool_calls deltas
+    (both through gateway.tool_calls, which parses `<tool_call>` blocks)
 
-The prompt format (documented in the README): the tools go at the end of the system message as
+Two prompt formats, one call format. **Native**: the model's chat template has a tools branch
+that asks for `<tool_call>` blocks (Qwen2.5's; `GatewayTokenizer.native_tools`): the tools go to
+the template as transformers passes them, and the history (assistant tool_calls, `tool` turns)
+is rendered by the template too, with each call's arguments as a mapping, as transformers hands
+them (Qwen2.5's template writes `tool_call.arguments | tojson`: a JSON string would be quoted
+twice). **Generic**, for templates without one (SmolLM2's): the tools go at the end of the system
+message as
 
     # Tools
     You may call a function. The functions, one JSON object per line:
@@ -18,33 +27,39 @@ The prompt format (documented in the README): the tools go at the end of the sys
     {"name":<function name>,"arguments":<arguments as a JSON object>}
     </tool_call>
 
-An assistant turn that called tools is rendered as that same `<tool_call>` block, and a `tool`
+an assistant turn that called tools is rendered as that same `<tool_call>` block, and a `tool`
 message as a user turn `The result of <function name>: <content>` (the name found through its
 tool_call_id). SmolLM2 never saw a "tool" role or a `<tool_response>` tag: given either, it
 echoes the result back; given a user turn in words, it answers from it.
 
-Constraints: `required` and a named function allow exactly one call, its arguments constrained
-by the tool's JSON schema (compact whitespace; an object with listed properties gets no others
-unless its schema sets additionalProperties). `auto` allows either free text that does not
-begin with "<", or one call: the model chooses with its first token, and once it writes
-`<tool_call>` the rest is constrained like `required`. `none` renders no tools and constrains
-nothing. One call per turn (parallel_tool_calls is accepted; the grammar allows one call).
+Constraints: `required` and a named function allow only calls, their arguments constrained by
+the tool's JSON schema (an object with listed properties gets no others unless its schema sets
+additionalProperties). `auto` allows either free text that does not begin with "<", or calls:
+the model chooses with its first token, and once it writes `<tool_call>` the rest is constrained
+like `required` (free text is free: a call written later in it, or as bare JSON, is still read
+as a call, unconstrained). `none` renders no tools and constrains nothing. The JSON is written
+the way the model was shown it: natively `{"name": "f", "arguments": {"a": 1}}` (", " and ": ",
+as the template's `tojson` writes the history), generically compact. How many calls: natively,
+with `auto` and `required`, one or more, one per line (Qwen2.5's template says "one or more"),
+one when parallel_tool_calls is false or a function is named; generically, one per turn. Where
+the tokenizer has `<tool_call>` as one added token (Qwen2.5's), the grammar allows that token:
+to llguidance an added token is only its id, never the text it spells.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import APIError
 from gateway.output_schemas import NamedToolChoice, Tool
+from gateway.tokenizer import GatewayTokenizer
+from gateway.tool_calls import CLOSE, OPEN, CallStream, parse_calls
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}
+# How Qwen2.5's template writes a call, and Python's json.dumps (jinja's tojson) any JSON.
+_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _tool_json(tool: Tool) -> str:
@@ -69,8 +84,17 @@ def _call_block(name: str, arguments: Any) -> str:
                                     ensure_ascii=False, separators=(",", ":")) + f"\n{CLOSE}"
 
 
+def _arguments(text: str) -> Any:
+    """A call's arguments as sent (JSON text) -> the mapping it holds; text that is not JSON
+    stays text: it is what was sent."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def render_messages(messages: list[Any], tools: list[Tool] | None) -> list[dict[str, str]]:
-    """The conversation as plain role/content messages a text-only chat template can render."""
+    """Generic: the conversation as plain role/content messages a text-only template renders."""
     out: list[dict[str, str]] = []
     names: dict[str, str] = {}  # tool_call_id -> the function it called
     for msg in messages:
@@ -83,11 +107,7 @@ def render_messages(messages: list[Any], tools: list[Tool] | None) -> list[dict[
             blocks = []
             for call in msg.tool_calls:
                 names[call.id] = call.function.name
-                try:
-                    args = json.loads(call.function.arguments)
-                except ValueError:
-                    args = call.function.arguments  # shown verbatim: it is what was sent
-                blocks.append(_call_block(call.function.name, args))
+                blocks.append(_call_block(call.function.name, _arguments(call.function.arguments)))
             text = "\n".join(([text] if text else []) + blocks)
         out.append({"role": msg.role, "content": text})
     if tools:
@@ -97,6 +117,28 @@ def render_messages(messages: list[Any], tools: list[Tool] | None) -> list[dict[
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Native: the conversation as transformers hands it to a template that renders tool calls:
+    OpenAI's messages, each call's arguments a mapping; content "" where a message has none
+    (templates add it to strings), None only beside tool_calls."""
+    out = []
+    for msg in messages:
+        item = msg.model_dump(exclude_none=True)
+        if msg.tool_calls:
+            for call in item["tool_calls"]:
+                call["function"]["arguments"] = _arguments(call["function"]["arguments"])
+        elif msg.content is None:
+            item["content"] = ""
+        out.append(item)
+    return out
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Native: the tools as transformers passes them, {"type": "function", "function": {...}};
+    no `strict` (a request flag, not part of the function's description)."""
+    return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools]
 
 
 def closed(schema: Any) -> Any:
@@ -114,7 +156,7 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+def _call_schema(tools: list[Tool], native: bool) -> dict[str, Any]:
     options = []
     for t in tools:
         params = closed(t.function.parameters) if t.function.parameters is not None \
@@ -122,7 +164,13 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
         options.append({"type": "object", "additionalProperties": False,
                         "properties": {"name": {"const": t.function.name}, "arguments": params},
                         "required": ["name", "arguments"]})
-    return {"anyOf": options, "x-guidance": _COMPACT}
+    return {"anyOf": options, "x-guidance": _SPACED if native else _COMPACT}
+
+
+def _tag(text: str, token_id: int | None) -> str:
+    """A Lark alternative for a tag: its text, or its added token by id."""
+    literal = json.dumps(text)
+    return literal if token_id is None else f"{literal} | <[{token_id}]>"
 
 
 @dataclass
@@ -132,11 +180,15 @@ class ToolPlan:
     tools: list[Tool]
     mode: str
     allowed: list[Tool] = field(default_factory=list)  # the tools a call may name
+    native: bool = False  # the model's template lays out the tools (module docstring)
+    parallel: bool = True  # natively, auto and required may write several calls
+    tag_ids: tuple[int | None, int | None] = (None, None)  # OPEN, CLOSE as one added token each
 
     @classmethod
-    def from_request(cls, body: Any) -> ToolPlan | None:
+    def from_request(cls, body: Any, tokenizer: GatewayTokenizer | None = None) -> ToolPlan | None:
         """None when no tool may be called (no tools, or tool_choice "none"); 400 on a choice
-        that names a missing tool or that needs tools the request does not give."""
+        that names a missing tool or that needs tools the request does not give. `tokenizer`:
+        the model's (None: the generic format, tags as text)."""
         tools, choice = body.tools or [], body.tool_choice
         if not tools:
             if choice is not None and choice != "none":
@@ -146,82 +198,43 @@ class ToolPlan:
         choice = "auto" if choice is None else choice
         if choice == "none":
             return None
+        how: dict[str, Any] = {"parallel": body.parallel_tool_calls is not False}
+        if tokenizer is not None:
+            how.update(native=tokenizer.native_tools, tag_ids=(
+                tokenizer.added_token_id(OPEN), tokenizer.added_token_id(CLOSE)))
         if isinstance(choice, NamedToolChoice):
             named = [t for t in tools if t.function.name == choice.function.name]
             if not named:
                 raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
                                "among the tools", param="tool_choice", code="invalid_value")
-            return cls(tools, "named", named[:1])
-        return cls(tools, choice, list(tools))
+            return cls(tools, "named", named[:1], **how)
+        return cls(tools, choice, list(tools), **how)
 
     def lark(self) -> str:
         """The Lark grammar (llguidance's dialect, %json for the arguments) for this plan."""
-        schema = json.dumps(_call_schema(self.allowed))
-        call = f'call: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {schema}\n'
+        schema = json.dumps(_call_schema(self.allowed, self.native))
+        several = self.native and self.parallel and self.mode != "named"
+        rules = (("calls: call (\"\\n\" call)*\n" if several else "calls: call\n")
+                 + 'call: open "\\n" body "\\n" close\n'
+                 + f"open: {_tag(OPEN, self.tag_ids[0])}\nclose: {_tag(CLOSE, self.tag_ids[1])}\n"
+                 + f"body: %json {schema}\n")
         if self.mode == "auto":
             # Free text may not begin with "<": a "<" first is the start of a call.
-            return "start: (TEXT | call)?\nTEXT: /[^<][\\s\\S]*/\n" + call
-        return "start: call\n" + call
+            return "start: (TEXT | calls)?\nTEXT: /[^<][\\s\\S]*/\n" + rules
+        return "start: calls\n" + rules
 
-    def parse(self, text: str) -> list[dict[str, Any]] | None:
-        """OpenAI tool_calls from the output, or None when it is not (only) tool calls."""
-        if not text.lstrip().startswith(OPEN):
-            return None
-        names = {t.function.name for t in self.allowed}
-        calls = []
-        for raw in _CALL.findall(text):
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                return None
-            if (not isinstance(obj, dict) or obj.get("name") not in names
-                    or not isinstance(obj.get("arguments"), dict)):
-                return None
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                          "function": {"name": obj["name"], "arguments": json.dumps(
-                              obj["arguments"], ensure_ascii=False, separators=(",", ":"))}})
-        leftover = _CALL.sub("", text).strip()
-        return calls if calls and not leftover else None
+    @property
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.allowed}
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """The choice's message and finish reason, tool calls parsed out where there are."""
-        calls = self.parse(text)
-        if calls is None:
+        parsed = parse_calls(text, self.names)
+        if parsed is None:
             return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": parsed.content,
+                "tool_calls": parsed.calls}, "tool_calls"
 
-
-class ToolStream:
-    """One streamed choice: content passes through once it cannot be a call; a call is held
-    until the choice ends, then sent as tool_calls deltas (one per call, with its index)."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.held = ""
-        self.is_text = False
-        self.is_call = False  # the held text starts with OPEN: no need to look at it again
-
-    def feed(self, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """The deltas to send now, and the finish reason to send with the last of them."""
-        if self.is_text:
-            return ([{"content": text}] if text or finish else []), finish
-        self.held += text
-        if not self.is_call:
-            head = self.held.lstrip()
-            if head and not (head.startswith(OPEN) or OPEN.startswith(head)):
-                self.is_text = True
-                return [{"content": self.held}], finish
-            self.is_call = head.startswith(OPEN)
-        if finish is None:
-            return [], None
-        calls = self.plan.parse(self.held)
-        if calls is None:
-            return [{"content": self.held}], finish
-        deltas = []
-        for index, call in enumerate(calls):
-            fn = call["function"]
-            deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                           "function": {"name": fn["name"], "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": index,
-                                           "function": {"arguments": fn["arguments"]}}]})
-        return deltas, "tool_calls"
+    def stream(self) -> CallStream:
+        """One streamed choice's deltas (gateway.tool_calls)."""
+        return CallStream(self.names)

@@ -129,6 +129,35 @@ def test_a_chat_tool_call_is_parsed_out_of_the_text(smollm2_info: m.TokenizerInf
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("answer, content, names", [
+    ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+     '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Sure.", ["get_weather", "get_weather"]),
+    ('<tool_call>\n{"name": get_weather}\n</tool_call>', None, None),  # malformed: text
+])
+def test_content_then_calls_or_a_malformed_call_streamed_and_not(
+        smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer, answer: str,
+        content: str | None, names: list[str] | None) -> None:
+    """Hermes blocks as Qwen2.5 writes them, one token a frame: content before the first block
+    streams as content, no tag text reaches the client; a malformed block is plain content."""
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    body = {"messages": [{"role": "user", "content": PROMPT}], "tools": tools}
+    [choice] = collect(*run("chat", body, answer, smollm2_info, smollm2))["choices"]
+    chunks = stream(*run("chat", {**body, "stream": True}, answer, smollm2_info, smollm2))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    streamed = "".join(d.get("content") or "" for d in deltas)
+    finish = chunks[-1]["choices"][0]["finish_reason"]
+    if names is None:
+        assert choice["message"] == {"role": "assistant", "content": answer}
+        assert choice["finish_reason"] == finish == "stop" and streamed == answer
+        return
+    assert choice["message"]["content"] == streamed == content
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+    assert choice["finish_reason"] == finish == "tool_calls" and "<" not in streamed
+    indices = [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d]
+    assert indices == [0, 0, 1, 1]
+
+
 def test_completion_echo_and_logprobs(smollm2_info: m.TokenizerInfo,
                                       smollm2: GatewayTokenizer) -> None:
     body = {"prompt": PROMPT, "echo": True}

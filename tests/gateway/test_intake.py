@@ -4,8 +4,10 @@ sampling parameters, deadline), against the real EngineClient's registry with on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,3 +152,50 @@ def test_no_model_yet_is_a_503(smollm2_info: m.TokenizerInfo) -> None:
         Intake(GatewayConfig(), client, ServiceTimes()).model(None)
     assert exc.value.status == 503 and exc.value.code == "no_worker"
     client.link.close()
+
+
+QWEN = (Path(__file__).parents[1] / "data" / "qwen2.5_chat_template.jinja").read_text("utf-8")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.fixture
+def qwen_intake(smollm2_info: m.TokenizerInfo) -> Any:
+    """A model whose chat template is Qwen2.5's (its tools branch), on SmolLM2's vocabulary."""
+    info = dataclasses.replace(smollm2_info, chat_template=QWEN)
+    client = EngineClient("inproc://unused")
+    FakeEngine(client, info, GatewayTokenizer(info), max_model_len=2048)
+    yield Intake(GatewayConfig(max_prompt_chars=5000, max_tokens_cap=100, default_timeout_s=20),
+                 client, ServiceTimes())
+    client.link.close()
+
+
+def prompt_text(req: EngineRequest) -> str:
+    return req.model.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+
+
+def test_tools_go_to_a_template_that_renders_them_not_into_the_generic_prompt(
+        qwen_intake: Intake) -> None:
+    data = {"messages": CHAT, "tools": TOOLS}
+    req = prepare(qwen_intake, "chat", data)
+    text = prompt_text(req)
+    assert "# Tools\n\nYou may call one or more functions" in text  # Qwen2.5's own words
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", ' in text
+    assert "one JSON object per line" not in text  # gateway.tools' generic prompt
+    assert req.tool_plan is not None and req.tool_plan.native and req.grammar is not None
+    no_tools = prompt_text(prepare(qwen_intake, "chat", {**data, "tool_choice": "none"}))
+    assert "<tools>" not in no_tools and "# Tools" not in no_tools
+
+
+def test_a_tool_conversation_renders_through_the_models_template(qwen_intake: Intake) -> None:
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = prompt_text(prepare(qwen_intake, "chat", {"messages": history, "tools": TOOLS}))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>\n') in text  # a mapping, not a string
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")

@@ -1,17 +1,23 @@
-"""gateway/tools.py: the prompt format, the grammars for each tool_choice, parsing of calls, and
-the streamed deltas. Grammars run on SmolLM2's tokenizer through llguidance."""
+"""gateway/tools.py: the prompt formats (generic, and native through the model's template), the
+grammars for each tool_choice, parsing of calls, and the streamed deltas. Grammars run on
+SmolLM2's tokenizer through llguidance (with Qwen2.5's tags added where native)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest
 from gateway.structured import build_checked
-from gateway.tools import ToolPlan, ToolStream, render_messages
+from gateway.tokenizer import GatewayTokenizer
+from gateway.tool_calls import CLOSE, OPEN
+from gateway.tools import ToolPlan, render_messages, template_messages, template_tools
 from protocol.messages import TokenizerInfo
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
@@ -115,10 +121,10 @@ def test_parse_gives_openai_tool_calls_or_leaves_text() -> None:
 def test_stream_passes_text_through_and_sends_a_call_as_indexed_deltas() -> None:
     plan = ToolPlan.from_request(body())
     assert plan is not None
-    text = ToolStream(plan)
+    text = plan.stream()
     assert text.feed("Hel", None) == ([{"content": "Hel"}], None)
     assert text.feed("lo", "stop") == ([{"content": "lo"}], "stop")
-    call = ToolStream(plan)
+    call = plan.stream()
     assert call.feed("<tool", None) == ([], None)  # could still be a call: held back
     assert call.feed(CALL[5:40], None) == ([], None)
     deltas, finish = call.feed(CALL[40:], "stop")
@@ -126,3 +132,85 @@ def test_stream_passes_text_through_and_sends_a_call_as_indexed_deltas() -> None
     assert deltas[0]["tool_calls"][0]["index"] == 0
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+# ---- native: the model's own template lays out the tools (Qwen2.5's) --------------------------
+
+QWEN = (Path(__file__).parents[1] / "data" / "qwen2.5_chat_template.jinja").read_text("utf-8")
+SPACED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def qwenish(smollm2_info: TokenizerInfo) -> TokenizerInfo:
+    """SmolLM2's vocabulary plus Qwen2.5's two tags as added (not special) tokens, and Qwen2.5's
+    chat template: what gateway.tools meets in a Qwen2.5 model."""
+    tok = Tokenizer.from_str(smollm2_info.tokenizer_json)
+    tok.add_tokens([AddedToken(OPEN, special=False), AddedToken(CLOSE, special=False)])
+    return dataclasses.replace(smollm2_info, tokenizer_json=tok.to_str(), chat_template=QWEN)
+
+
+@pytest.fixture(scope="module")
+def qwen_lltok(qwenish: TokenizerInfo) -> LLTokenizer:
+    return LLTokenizer(qwenish.tokenizer_json, eos_token=qwenish.eos_token_ids)
+
+
+def native_plan(qwenish: TokenizerInfo, **fields: object) -> ToolPlan:
+    plan = ToolPlan.from_request(body(**fields), GatewayTokenizer(qwenish))
+    assert plan is not None and plan.native
+    return plan
+
+
+def test_native_calls_are_written_as_the_template_shows_them(
+        qwen_lltok: LLTokenizer, qwenish: TokenizerInfo) -> None:
+    lltok = qwen_lltok
+    required = native_plan(qwenish, tool_choice="required")
+    assert accepts(lltok, required, SPACED)
+    assert not accepts(lltok, required, CALL)  # compact: not how the template writes calls
+    assert accepts(lltok, required, SPACED + "\n" + TIME)  # "one or more functions"
+    auto = native_plan(qwenish)
+    assert accepts(lltok, auto, "It is sunny.") and accepts(lltok, auto, SPACED + "\n" + TIME)
+    single = native_plan(qwenish, tool_choice="required", parallel_tool_calls=False)
+    assert accepts(lltok, single, SPACED) and not accepts(lltok, single, SPACED + "\n" + TIME)
+    named = native_plan(qwenish, tool_choice={"type": "function",
+                                              "function": {"name": "get_time"}})
+    assert accepts(lltok, named, TIME) and not accepts(lltok, named, TIME + "\n" + TIME)
+
+
+def test_native_grammar_takes_the_tags_as_their_added_tokens(
+        qwen_lltok: LLTokenizer, lltok: LLTokenizer, qwenish: TokenizerInfo) -> None:
+    spelled = lltok.tokenize_str(SPACED)  # SmolLM2's own pieces: "<", "tool", "_", ...
+    lltok = qwen_lltok
+    gw = GatewayTokenizer(qwenish)
+    open_id, close_id = gw.added_token_id(OPEN), gw.added_token_id(CLOSE)
+    assert open_id is not None and close_id is not None
+    plan = native_plan(qwenish, tool_choice="required")
+    inner = lltok.tokenize_str('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n')
+    assert open_id not in spelled and lltok.tokenize_str(SPACED) == [open_id, *inner, close_id]
+    for ids in ([open_id, *inner, close_id], spelled):  # as one token each, or spelled out
+        m = LLMatcher(lltok, build_checked("lark", plan.lark()), log_level=0)
+        assert m.consume_tokens(ids) and m.is_accepting(), m.get_error()
+    generic = ToolPlan.from_request(body(tool_choice="required"), GatewayTokenizer(
+        dataclasses.replace(qwenish, chat_template=None)))
+    assert generic is not None and not generic.native and f"<[{open_id}]>" in generic.lark()
+
+
+def test_template_messages_carry_calls_as_mappings_and_tools_as_sent() -> None:
+    b = body(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant"}],
+        tools=[{"type": "function", "function": {"name": "f", "strict": True,
+                                                 "parameters": WEATHER}}])
+    out = template_messages(b.messages)
+    assert out[0] == {"role": "user", "content": [{"type": "text", "text": "weather?"}]}
+    assert out[1] == {"role": "assistant", "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert out[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert out[3] == {"role": "assistant", "content": ""}
+    assert template_tools(b.tools) == [{"type": "function", "function": {
+        "name": "f", "parameters": WEATHER}}]
