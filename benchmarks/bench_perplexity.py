@@ -1,9 +1,10 @@
-"""Perplexity of SmolLM2 served each way, on the same text, through our own forward.
+"""Perplexity of a GGUF model (SmolLM2 by default) served each way, on the same text, through our
+own forward.
 
-    python benchmarks/bench_perplexity.py [--text FILE ...] [--window 512] [--modes ...]
-        [--score all|half] [--llama-perplexity PATH]
+    python benchmarks/bench_perplexity.py [--model default|FILE.gguf] [--text FILE ...]
+        [--window 512] [--modes ...] [--score all|half] [--llama-perplexity PATH]
 
-Data flow: text (--text files; default CPython's pydoc_data.topics) -> SmolLM2's tokenizer ->
+Data flow: text (--text files; default CPython's pydoc_data.topics) -> the model's tokenizer ->
 windows of --window tokens (no overlap) -> ModelRunner.forward_full (no cache) per mode ->
 mean negative log-likelihood of each next token -> exp. `--score half` scores only the second
 half of each window and drops a short last window: llama.cpp's `llama-perplexity` rule (each
@@ -93,7 +94,9 @@ def check_llama_tokens(binary: Path, gguf: Path, text: str, ids: list[int], tok:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Perplexity of SmolLM2 per serving mode.")
+    ap = argparse.ArgumentParser(description="Perplexity of a GGUF model per serving mode.")
+    ap.add_argument("--model", default="default",
+                    help="'default' (the embedded SmolLM2) or a .gguf file")
     ap.add_argument("--text", type=Path, nargs="*", default=[],
                     help="default: CPython's pydoc_data.topics (as in the issue 7 report)")
     ap.add_argument("--window", type=int, default=512)
@@ -112,11 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from engine_worker.config import cache_dir_from_env
-    from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
+    from engine_worker.model.loader import gguf_source, resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
     from engine_worker.runner_config import RunnerConfig
     cache = cache_dir_from_env()
-    folder = resolve_checkpoint("default", cache)
+    gguf = gguf_source(args.model)
+    if gguf is None:
+        raise SystemExit(f"--model {args.model!r}: 'default' or a .gguf file")
+    float_modes = {"float32", "int8", "int4"} & set(args.modes.split(","))
+    folder = resolve_checkpoint(args.model, cache, weights=bool(float_modes))
     if args.text:
         text = "\n\n".join(p.read_text(encoding="utf-8") for p in args.text)
     else:
@@ -136,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             print("llama-perplexity scores half windows: pass --score half to compare", flush=True)
         tokenize = args.llama_tokenize or args.llama_perplexity.with_name("llama-tokenize")
         if tokenize.is_file():
-            check_llama_tokens(tokenize, embedded_gguf_path(), text, ids, tok)
+            check_llama_tokens(tokenize, gguf, text, ids, tok)
         else:
             print(f"not checked that llama.cpp reads the same tokens: no {tokenize} "
                   "(pass --llama-tokenize)", flush=True)
-        llama = llama_perplexity(args.llama_perplexity, embedded_gguf_path(), text,
+        llama = llama_perplexity(args.llama_perplexity, gguf, text,
                                  args.window, len(ids) // args.window, args.threads)
         print(f"llama.cpp perplexity {llama:.4f}  (llama-perplexity, same GGUF, same text)",
               flush=True)
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         # gguf: the embedded file's own blocks; int8/int4: the float weights quantized
         dtype = "auto" if mode == "gguf" else "float32"
         quant = mode if mode in ("int8", "int4") else "none"
-        runner = ModelRunner(RunnerConfig.from_settings("default", dtype=dtype, quantization=quant,
+        runner = ModelRunner(RunnerConfig.from_settings(args.model, dtype=dtype, quantization=quant,
                                                         kv_cache_mb=256, cache_dir=str(cache)))
         with torch.inference_mode():
             ppl = perplexity(runner, ids, args.window, half)

@@ -5,9 +5,8 @@ finish_reason "tool_calls", streamed and not; the tool's result then goes back t
 template as a `tool` turn.
 
 Skipped when the file is not in the cache's gguf/ folder (`python benchmarks/fetch_qwen_gguf.py
---only 0.5b` puts it there). The worker dequantizes to float32 (--dtype float32): it starts in
-about 10 s on two CPU cores, where serving the file's own K-quant blocks took over a minute to
-start here, and this test is about tool calls, not GGUF numerics. A request takes a few seconds.
+--only 0.5b` puts it there). The worker serves the file as `kestrel serve FILE` does, from its
+own Q5_0/Q8_0/Q4_K/Q6_K blocks (default flags). A request takes a few seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
     with GatewayProc() as gw, WorkerProc(GGUF, gw.engine_address, "--model-id", MODEL,
-                                         "--dtype", "float32", "--threads", "1"):
+                                         "--threads", "1"):
         gw.wait_ready(timeout=300)
         yield openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0,
                             timeout=120)
