@@ -32,7 +32,7 @@ import torch
 
 from engine_worker.config import cache_dir_from_env
 from engine_worker.engine import Engine
-from engine_worker.model.loader import resolve_checkpoint
+from engine_worker.model.loader import gguf_source, resolve_checkpoint
 from engine_worker.model.tokenizer import tokenizer_info
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
@@ -93,8 +93,10 @@ def chat_ids(path: Path, text: str) -> list[int]:
 
 
 def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch: int,
-        max_tokens: int) -> tuple[float, int, SpecDecoder | None]:
-    """(decode tok/s, engine steps after every request's first token, the spec decoder)."""
+        max_tokens: int) -> tuple[float, int, SpecDecoder | None, list[int]]:
+    """(decode tok/s, engine steps after every request's first token, the spec decoder, the
+    first request's output tokens)."""
+    out: list[int] = []
     e = Engine(runner, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, spec=spec)
     for i in range(batch):
         # A distinct first token per request keeps the prefix cache from merging them.
@@ -109,6 +111,8 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
         if t_first is not None:
             steps += 1
         for o in e.step():
+            if o.request_id == "r0":
+                out += o.token_ids
             if o.request_id in started:
                 tokens_after += len(o.token_ids)
             elif o.token_ids:
@@ -117,7 +121,7 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
         if t_first is None and len(started) == batch:
             t_first = time.perf_counter()
     assert t_first is not None
-    return tokens_after / (time.perf_counter() - t_first), steps, spec
+    return tokens_after / (time.perf_counter() - t_first), steps, spec, out
 
 
 def main() -> None:
@@ -136,16 +140,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = cache_dir_from_env()
-    path = resolve_checkpoint(args.model, cache)
-    cfg = RunnerConfig.from_settings(args.model, dtype="float32", kv_cache_mb=256,
-                                     cache_dir=str(cache))
+    path = resolve_checkpoint(args.model, cache, weights=gguf_source(args.model) is None)
+    # the target as a worker serves it by default (a GGUF from its own blocks)
+    cfg = RunnerConfig.from_settings(args.model, kv_cache_mb=256, cache_dir=str(cache))
     runner = ModelRunner(cfg)
     modes = args.modes.split(",")
     draft = None
     if "draft" in modes:
+        dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
-            args.draft, cache)
-        draft = ModelRunner(replace(cfg.for_draft(dpath), kv_budget_bytes=128 << 20))
+            args.draft, cache, weights=dgguf is None)
+        draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf), kv_budget_bytes=128 << 20))
 
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":
@@ -158,18 +163,19 @@ def main() -> None:
     print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
           f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
     print("| workload | batch | mode | decode tok/s | vs off | engine steps | accepted/proposed "
-          "| accepted per verify |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| accepted per verify | same text as off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for wl in args.workloads.split(","):
         prompt = chat_ids(path, WORKLOADS[wl])
         for batch in (int(b) for b in args.batch.split(",")):
             speeds: dict[str, list[float]] = {mo: [] for mo in modes}
             stats: dict[str, str] = {}
             steps: dict[str, int] = {}
+            texts: dict[str, list[int]] = {}
             for _ in range(args.rounds):
                 for mode in modes:
-                    tps, steps[mode], spec = run(runner, make(mode), prompt, batch,
-                                                 args.max_tokens)
+                    tps, steps[mode], spec, texts[mode] = run(runner, make(mode), prompt,
+                                                              batch, args.max_tokens)
                     speeds[mode].append(tps)
                     if spec is not None:
                         s = spec.stats
@@ -181,8 +187,10 @@ def main() -> None:
             for mode in modes:
                 tps = statistics.median(speeds[mode])
                 ratio = f"{tps / base:.2f}x" if base else "-"
+                same = "-" if "off" not in texts else (
+                    "yes" if texts[mode] == texts["off"] else "NO")
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
-                      f"{steps[mode]} | {stats.get(mode, '- | -')} |", flush=True)
+                      f"{steps[mode]} | {stats.get(mode, '- | -')} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,11 +45,17 @@ def pick_group_size(in_features: int, requested: int) -> int | None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights held: parameters and persistent buffers, shared storage once."""
+    """Bytes of the weights held: parameters and persistent buffers, and the integer-dot
+    layers' packed blocks (IntDotLinear.packed: plain tensors, not buffers); shared storage
+    once."""
     seen: dict[tuple[int, int], int] = {}  # (address, bytes) -> bytes: a tied tensor once
-    for t in model.state_dict(keep_vars=True).values():
-        if t is not None:
-            seen[(t.data_ptr(), t.nbytes)] = t.nbytes
+    tensors = [t for t in model.state_dict(keep_vars=True).values() if t is not None]
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if packed is not None:
+            tensors += [t for t in (packed.qs, packed.d, packed.m) if t is not None]
+    for t in tensors:
+        seen[(t.data_ptr(), t.nbytes)] = t.nbytes
     return sum(seen.values())
 
 
