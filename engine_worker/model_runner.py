@@ -122,15 +122,31 @@ class ModelRunner:
         for it in items:
             self.check(it)
         # Decodes first so that their rows are one contiguous slice [0, B) for one batched SDPA.
-        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) > 1)
-        decodes = [items[i] for i in order if len(items[i].token_ids) == 1]
-        prefills = [items[i] for i in order if len(items[i].token_ids) > 1]
+        # A verification item (a few tokens after a cached context, every row scored) runs as
+        # one decode row per token, each attending to its own prefix: its logits are then
+        # exactly those one-token decodes would give, so greedy speculation keeps the text of
+        # decoding without it (a prefill-style pass sums the attention in another order, and a
+        # near tie can flip).
+        expanded = [(i, StepItem([t], it.start_pos + j, it.block_table))
+                    for i, it in enumerate(items)
+                    if len(it.token_ids) == 1 or _verify_as_decodes(it)
+                    for j, t in enumerate(it.token_ids)]
+        as_decode = {i for i, _ in expanded}
+        prefill_idx = [i for i in range(len(items)) if i not in as_decode]
+        decodes = [d for _, d in expanded]
+        prefills = [items[i] for i in prefill_idx]
 
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         scored: list[list[int]] = [[] for _ in items]  # rows to score of each item
-        for i in order:
+        for i, d in expanded:
+            q = d.start_pos
+            ids.append(d.token_ids[0])
+            pos.append(q)
+            slots.append(d.block_table[q // bs] * bs + q % bs)
+            scored[i].append(len(ids) - 1)
+        for i in prefill_idx:
             it = items[i]
             table, start = it.block_table, it.start_pos
             p = range(start, start + len(it.token_ids))
@@ -194,6 +210,13 @@ class ModelRunner:
             prefills=spans,
         )
         return ids_t, pos_t, meta, rows_t
+
+
+VERIFY_AS_DECODE_ROWS = 16  # verification items up to this many tokens run as decode rows
+
+
+def _verify_as_decodes(it: StepItem) -> bool:
+    return it.all_logits and it.start_pos > 0 and len(it.token_ids) <= VERIFY_AS_DECODE_ROWS
 
 
 def _run_start(blocks: list[int], block_size: int) -> int | None:

@@ -138,3 +138,28 @@ def test_int_dot_mode_serves_every_matmul_from_the_blocks(
     rows = torch.randn(70, cfg.hidden_size)  # more than one 64-row group in one call
     down = model.model.layers[0].self_attn.o_proj
     assert torch.equal(down(rows)[65:67], down(rows[65:67]))  # a row's result is its own
+
+
+def test_verification_rows_equal_one_token_decodes(
+        int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig]) -> None:
+    """Speculative verification scores k drafts in one pass; each of its rows must be exactly
+    the logits a one-token decode at that position gives (every matmul row-independent, each
+    row's attention over its own prefix), or greedy speculation could change the text."""
+    from engine_worker.model_runner import ModelRunner
+    from engine_worker.runner_config import RunnerConfig
+    from engine_worker.step import StepItem
+
+    kind, path, ref, _ = family
+    if kind != "qwen2":
+        pytest.skip("one family is enough: the runner's layout is the same for all")
+    runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
+    prompt, drafts = PROMPT[:9], [33, 400, 7, 250]
+    one, many = list(range(0, 4)), list(range(4, 8))  # two block tables, 16 slots a block
+    runner.execute([StepItem(prompt, 0, one)])
+    singles = [runner.execute([StepItem([t], len(prompt) + j, one)])[0]
+               for j, t in enumerate(drafts)]
+    runner.execute([StepItem(prompt, 0, many)])
+    rows = runner.execute([StepItem(drafts, len(prompt), many, all_logits=True)])
+    assert rows.shape[0] == len(drafts)
+    for j, want in enumerate(singles):
+        assert torch.equal(rows[j], want), j
