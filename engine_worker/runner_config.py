@@ -55,6 +55,8 @@ class RunnerConfig:
     # Where our C++ kernels are built once per host and Inductor keeps its graphs; without a
     # compiler the kernels are not used and torch's kernels (and the gather) serve instead.
     cache_dir: Path = field(default_factory=cache_dir_from_env)
+    # With a draft model: the draft's share of --kv-cache-memory (None: the same budget again).
+    draft_kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, RUN_DTYPES)
@@ -80,9 +82,14 @@ class RunnerConfig:
         dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
         if gguf is None and gguf_source(cfg.model) is not None:  # a float path asked of a GGUF
             checkpoint = resolve_checkpoint(cfg.model, cache)
+        budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device)
+        draft_budget = None
+        if cfg.speculative_method == "draft" and cfg.draft_model:
+            budget, draft_budget = _split_kv(budget, checkpoint, dtype, cfg.draft_model, cache)
         return cls(
             model_path=checkpoint,
-            kv_budget_bytes=kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device),
+            kv_budget_bytes=budget,
+            draft_kv_budget_bytes=draft_budget,
             dtype=dtype,
             device=cfg.device,
             gguf_path=gguf,
@@ -107,11 +114,36 @@ class RunnerConfig:
         return cls.from_worker(WorkerConfig(model=str(model), **settings))  # type: ignore[arg-type]
 
     def for_draft(self, checkpoint: Path, gguf_path: Path | None = None) -> RunnerConfig:
-        """A speculative draft model's runner beside this one: the same device, KV budget (so
-        --kv-cache-memory bounds the draft's cache as it does the target's), block size,
+        """A speculative draft model's runner beside this one: the same device, its share of
+        the KV budget (from_worker splits --kv-cache-memory between the two), block size,
         attention path and cache dir; its own checkpoint (a GGUF served from its own blocks,
         float32 activations), eager, at its own context."""
         return replace(self, model_path=Path(checkpoint), gguf_path=gguf_path,
+                       kv_budget_bytes=self.draft_kv_budget_bytes or self.kv_budget_bytes,
+                       draft_kv_budget_bytes=None,
                        dtype="float32" if gguf_path is not None else self.dtype,
                        quantization="none", dense_min_rows=AUTO, compile_mode="off",
                        max_model_len=None, num_threads=None)
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _split_kv(total: int, target: Path, dtype: str, draft_model: str,
+              cache: Path) -> tuple[int, int]:
+    """--kv-cache-memory shared by the target and its draft model in proportion to their K/V
+    bytes per token, so both caches hold the same number of tokens and together stay within it
+    (a GGUF draft runs float32 activations and cache)."""
+    from engine_worker.model.loader import gguf_source, load_config, resolve_checkpoint
+
+    draft_gguf = gguf_source(draft_model)
+    draft = resolve_checkpoint(draft_model, cache, weights=draft_gguf is None)
+    draft_dtype = "float32" if draft_gguf is not None else dtype
+
+    def per_token(folder: Path, name: str) -> int:
+        c = load_config(folder)
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * _ELEMENT_BYTES.get(name, 4)
+
+    t, d = per_token(target, dtype), per_token(draft, draft_dtype)
+    target_share = total * t // (t + d)
+    return target_share, total - target_share

@@ -5,8 +5,8 @@ Data flow, per step, for the sequences the engine wants drafts for:
     sync: drop the draft cache's positions whose tokens were rejected drafts (a rollback is just
           a smaller `num_computed`; the rows are overwritten later, as in the target's cache)
     catch up: one batched pass feeding each sequence's tokens the draft has not seen yet (the
-          whole prompt the first time, then the last one or two committed tokens); its last
-          logits give draft 1
+          whole prompt the first time, in chunks of CHUNK tokens before that pass, then the last
+          one or two committed tokens); its last logits give draft 1
     then k - 1 batched one-token passes, feeding draft j to get draft j + 1
 
 Each draft is drawn from the draft's fully processed distribution for that request (the same
@@ -26,6 +26,8 @@ from engine_worker.model_runner import ModelRunner
 from engine_worker.sampler import Sampler, is_greedy
 from engine_worker.sequence import Sequence
 from engine_worker.step import SamplerInput, StepItem
+
+CHUNK = 512  # the draft's prefill chunk (tokens a pass), as the target's scheduler chunks
 
 
 @dataclass
@@ -64,6 +66,8 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = [i for i, k in enumerate(ks) if k > 0]
+        for i in live:  # a long catch-up (the prompt, the first time): in chunks first
+            self._catch_up(seqs[i])
         if live:
             items = []
             for i in live:
@@ -86,6 +90,15 @@ class DraftModelProposer:
                 st.num_computed = seq.num_tokens + ks[i] - 1
             out.append((drafts[i], torch.stack(probs[i]) if probs[i] else None))
         return out
+
+    def _catch_up(self, seq: Sequence) -> None:
+        """Feed all but the last CHUNK unseen tokens of `seq` in chunks of CHUNK (chunked
+        prefill: a long prompt never becomes one pass of its whole length)."""
+        st = seq.spec.proposer
+        while seq.num_tokens - st.num_computed > CHUNK:
+            chunk = seq.token_ids[st.num_computed : st.num_computed + CHUNK]
+            self.runner.execute([StepItem(chunk, st.num_computed, st.block_table)])
+            st.num_computed += CHUNK
 
     def _prepare(self, seq: Sequence, k: int) -> int:
         """Roll `seq`'s draft cache back to its committed tokens and give it blocks for k

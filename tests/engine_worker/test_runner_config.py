@@ -59,15 +59,18 @@ def test_benchmarks_build_it_as_the_worker_does(tiny_dir: Path) -> None:
     assert replace(worker, compile_mode="decode").kv_budget_bytes == 64 << 20
 
 
-def test_the_draft_runner_respects_kv_cache_memory(tiny_dir: Path) -> None:
+def test_the_draft_and_target_caches_share_kv_cache_memory(tiny_dir: Path) -> None:
     cfg = settings(tiny_dir, speculative_method="draft", draft_model=str(tiny_dir),
                    kv_cache_mb=64, kv_cache_memory="2MiB", compile="off")
     runner = ModelRunner(RunnerConfig.from_worker(cfg))
     spec = build_spec_decoder(cfg, runner)
     assert spec is not None and isinstance(spec.proposer, DraftModelProposer)
     draft = spec.proposer.runner
-    assert draft.runner_config.kv_budget_bytes == runner.runner_config.kv_budget_bytes == 2 << 20
-    assert draft.num_blocks == runner.num_blocks  # the same model here: the same blocks
+    # the two caches share the budget, in proportion to their bytes a token (the same model
+    # here: halves, and the same number of blocks)
+    assert draft.runner_config.kv_budget_bytes + runner.runner_config.kv_budget_bytes == 2 << 20
+    assert draft.runner_config.kv_budget_bytes == runner.runner_config.kv_budget_bytes
+    assert draft.num_blocks == runner.num_blocks
     assert draft.runner_config == runner.runner_config.for_draft(tiny_dir)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -206,3 +207,24 @@ def test_runner_all_logits_equal_full_forward(tiny_runner: ModelRunner) -> None:
     full = tiny_runner.forward_full(ids)[15:]  # (5, V)
     assert rows.shape == full.shape
     assert torch.allclose(rows, full, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_prefills_a_long_prompt_in_chunks(tiny_runner: ModelRunner,
+                                                draft_runner: ModelRunner,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_worker.speculative import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "CHUNK", 16)
+    passes: list[int] = []
+    real = draft_runner.execute
+
+    def counted(items: list[Any]) -> Any:
+        passes.append(sum(len(it.token_ids) for it in items))
+        return real(items)
+
+    monkeypatch.setattr(draft_runner, "execute", counted)
+    g = gen("g", repetitive_prompt(9, n=30), 20)  # a 90-token prompt
+    e = engine(tiny_runner, DraftModelProposer(draft_runner))
+    assert run(e, [g]) == run(engine(tiny_runner, None), [g])
+    assert max(passes) <= 16 and passes.count(16) >= 5  # 90 tokens: 5 chunks, then the rest
+    assert e.stats().spec_accepted_tokens == e.stats().spec_proposed_tokens > 0
