@@ -36,12 +36,13 @@ from engine_worker.kernel_build import KernelUnavailable, load_kernel
 BLOCK = 32  # inputs per quantization block
 TILE = 8  # output rows interleaved per packed block
 # bytes per block of 32: GGUF's own, and ours (fp16 d, fp16 m or second d, 32 int8 codes)
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36}
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22}
 OFFSET_FORMATS = ("q4_1", "q8_1")  # w = d*q + m
 FORMATS = tuple(BLOCK_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
-           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q8_0", "pack_q8_1", "pack_q8_16",
+           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q5_0", "pack_q8_0", "pack_q8_1",
+           "pack_q8_16",
            "quantize_q8",
            "reference_mm"]
 
@@ -120,6 +121,15 @@ def pack_q8_0(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     return Packed("q8_0", n, k, _interleave(codes, n), _scales(_half(b, 0), n))
 
 
+def pack_q5_0(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """GGUF Q5_0 (fp16 d, 32-bit qh, 16 bytes of nibbles): the nibbles as Q4_0's, then each
+    row's qh word, 8 rows a tile: qs (T, B, 160)."""
+    b = _blocks(raw, "q5_0", n, k)
+    nib = _interleave(b[..., 6:], n)  # (T, B, 128)
+    qh = _tiles(b[..., 2:6].contiguous(), n).transpose(1, 2).reshape(nib.shape[0], -1, 32)
+    return Packed("q5_0", n, k, torch.cat([nib, qh], -1).contiguous(), _scales(_half(b, 0), n))
+
+
 def pack_q8_1(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     b = _blocks(raw, "q8_1", n, k)
     codes = b[..., 4:].contiguous().view(torch.int8)
@@ -135,7 +145,7 @@ def pack_q8_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
 
 
 PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0, "q8_1": pack_q8_1,
-           "q8_16": pack_q8_16}
+           "q8_16": pack_q8_16, "q5_0": pack_q5_0}
 
 
 def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
@@ -171,6 +181,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("kestrel::int_dot_q8_1")
     def _fake_q8_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                    n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("kestrel::int_dot_q5_0")
+    def _fake_q5_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("kestrel::int_dot_q8_16")
@@ -228,6 +242,12 @@ def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
     d = _half(b, 0).double()[..., None]
     if fmt == "q8_0":
         w = d * b[..., 2:].contiguous().view(torch.int8).double()
+    elif fmt == "q5_0":
+        nib = b[..., 6:]
+        low = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.int32)  # (N, B, 32)
+        qh = b[..., 2:6].contiguous().view(torch.int32)  # (N, B, 1): bit e is element e's
+        bits = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
+        w = d * ((low | (bits << 4)) - 16).double()
     elif fmt in ("q8_1", "q8_16"):
         q = b[..., 4:].contiguous().view(torch.int8).double()  # (N, B, 32)
         if fmt == "q8_16":

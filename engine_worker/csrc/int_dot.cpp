@@ -21,6 +21,8 @@
 //   Q8_0: qs int8 (T, B, 256): 8 vectors of 32 bytes; in vector j, bytes 4i..4i+3 are row i's
 //     codes 4j..4j+3. d float16 (T, B, 8), the GGUF's own scales; w = d*q.
 //   Q8_1: as Q8_0 plus m float16 (T, B, 8); w = d*q + m (codes 0..31).
+//   Q5_0: qs uint8 (T, B, 160): Q4_0's 128 bytes of nibbles, then 8 little-endian 32-bit words,
+//     row i's fifth bits (bit e: element e); w = d*(q-16), q = nibble | bit << 4 in 0..31.
 //   Q8_16: as Q8_0 with d float16 (T, B, 16): lanes 0..7 scale inputs 0..15 of rows 0..7,
 //     lanes 8..15 inputs 16..31; the integer dot is taken per half block (vectors 0-3, 4-7).
 // Rows are taken in groups of 64: each group meets every tile while its codes stay in cache.
@@ -80,11 +82,11 @@ constexpr int64_t kTile = 8;      // output rows interleaved per block
 constexpr int64_t kRowGroup = 64;  // activation rows whose codes stay in cache across tiles
 constexpr int kChunk = 4;          // activation rows that share one pass over a tile's weights
 
-enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16 };
+enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0 };
 
 constexpr bool is_q8(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q8_1 || f == Fmt::Q8_16; }
 constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1; }
-constexpr int64_t packed_bytes(Fmt f) { return is_q8(f) ? 256 : 128; }
+constexpr int64_t packed_bytes(Fmt f) { return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : 128; }
 // scales per (tile, block): one per row, or for Q8_16 one per row and half-block (16 inputs)
 constexpr int64_t scales_per(Fmt f) { return f == Fmt::Q8_16 ? 2 * kTile : kTile; }
 constexpr const char* fmt_name(Fmt f) {
@@ -92,6 +94,7 @@ constexpr const char* fmt_name(Fmt f) {
          : f == Fmt::Q4_1 ? "q4_1"
          : f == Fmt::Q8_0 ? "q8_0"
          : f == Fmt::Q8_1 ? "q8_1"
+         : f == Fmt::Q5_0 ? "q5_0"
                           : "q8_16";
 }
 
@@ -145,9 +148,22 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
 // conversion to float32 is exact, so the paths still agree to the bit.
 inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// The code the unsigned nibble codes are offset by: w = d * (q - zero_code).
+constexpr int32_t zero_code(Fmt f) { return f == Fmt::Q5_0 ? 16 : 8; }
+
 #if defined(KESTREL_SIMD)
 inline __m256 load8h(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Bits 0..3 of each 32-bit lane -> bit 4 of its bytes 0..3 (Q5_0's fifth bits beside the
+// nibbles): the multiply copies the 4 bits 7 apart, the mask keeps one per byte.
+inline __m256i spread4(__m256i x) {
+  const __m256i bits = _mm256_and_si256(
+      _mm256_mullo_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xF)),
+                         _mm256_set1_epi32(0x00204081)),
+      _mm256_set1_epi32(0x01010101));
+  return _mm256_slli_epi32(bits, 4);
 }
 #endif
 
@@ -221,6 +237,13 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         lo[j] = _mm256_and_si256(v, low4);
         hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
+      if constexpr (F == Fmt::Q5_0) {  // lane i: row i's 32 fifth bits
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+        for (int j = 0; j < 4; ++j) {
+          lo[j] = _mm256_or_si256(lo[j], spread4(_mm256_srli_epi32(qh, 4 * j)));
+          hi[j] = _mm256_or_si256(hi[j], spread4(_mm256_srli_epi32(qh, 16 + 4 * j)));
+        }
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
@@ -235,19 +258,32 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
         __m256i isum = _mm256_add_epi32(i0, i1);
 #else
-        __m256i p16 = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xq + 4 * j, 4);
-          std::memcpy(&xh, xq + 16 + 4 * j, 4);
-          p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(xl)));
-          p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(xh)));
+        __m256i isum;
+        if constexpr (F == Fmt::Q5_0) {  // 5-bit codes: a pair's sum fits int16, eight do not
+          isum = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            int32_t xl, xh;
+            std::memcpy(&xl, xq + 4 * j, 4);
+            std::memcpy(&xh, xq + 16 + 4 * j, 4);
+            const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(xl));
+            const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(xh));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones16));
+          }
+        } else {
+          __m256i p16 = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            int32_t xl, xh;
+            std::memcpy(&xl, xq + 4 * j, 4);
+            std::memcpy(&xh, xq + 16 + 4 * j, 4);
+            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(xl)));
+            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(xh)));
+          }
+          isum = _mm256_madd_epi16(p16, ones16);
         }
-        __m256i isum = _mm256_madd_epi16(p16, ones16);
 #endif
         const int64_t ab = row * blocks + b;
-        if constexpr (F == Fmt::Q4_0) {
-          isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * a.sum[ab]));
+        if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) {
+          isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero_code(F) * a.sum[ab]));
         }
         const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[ab]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
@@ -285,12 +321,16 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
           }
           isum = half[0] + half[1];
         } else {
+          uint32_t qh = 0;
+          if constexpr (F == Fmt::Q5_0) std::memcpy(&qh, wb + 128 + 4 * i, 4);
           for (int j = 0; j < 4; ++j)
             for (int c = 0; c < 4; ++c) {
               const uint8_t v = wb[32 * j + 4 * i + c];
-              isum += (v & 0x0F) * xq[4 * j + c] + (v >> 4) * xq[16 + 4 * j + c];
+              const int32_t ql = (v & 0x0F) | (((qh >> (4 * j + c)) & 1) << 4);
+              const int32_t qhi = (v >> 4) | (((qh >> (16 + 4 * j + c)) & 1) << 4);
+              isum += ql * xq[4 * j + c] + qhi * xq[16 + 4 * j + c];
             }
-          if constexpr (F == Fmt::Q4_0) isum -= 8 * a.sum[ab];
+          if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) isum -= zero_code(F) * a.sum[ab];
         }
         out[r][i] = std::fma(static_cast<float>(isum), h2f(dw[b * sp + i]) * a.d[ab],
                              out[r][i]);
@@ -309,6 +349,14 @@ inline __m512i load2(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512i spread4(__m512i x) {  // as the 256-bit spread4
+  const __m512i bits = _mm512_and_si512(
+      _mm512_mullo_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0xF)),
+                         _mm512_set1_epi32(0x00204081)),
+      _mm512_set1_epi32(0x01010101));
+  return _mm512_slli_epi32(bits, 4);
 }
 
 inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 float32
@@ -382,6 +430,13 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         lo[j] = _mm512_and_si512(v, low4);
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
+      if constexpr (F == Fmt::Q5_0) {
+        const __m512i qh = load2(wb + 128, wb + tile_bytes + 128);
+        for (int j = 0; j < 4; ++j) {
+          lo[j] = _mm512_or_si512(lo[j], spread4(_mm512_srli_epi32(qh, 4 * j)));
+          hi[j] = _mm512_or_si512(hi[j], spread4(_mm512_srli_epi32(qh, 16 + 4 * j)));
+        }
+      }
       __m512 mv = _mm512_setzero_ps();
       if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
       for (int r = 0; r < R; ++r) {
@@ -397,8 +452,8 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         }
         __m512i isum = _mm512_add_epi32(i0, i1);
         const int64_t ab = row * blocks + b;
-        if constexpr (F == Fmt::Q4_0) {
-          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * a.sum[ab]));
+        if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) {
+          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero_code(F) * a.sum[ab]));
         }
         const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(a.d[ab]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
@@ -525,6 +580,11 @@ at::Tensor int_dot_q8_1(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return int_dot<Fmt::Q8_1>(x, qs, d, m, n);
 }
 
+at::Tensor int_dot_q5_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        int64_t n) {
+  return int_dot<Fmt::Q5_0>(x, qs, d, c10::nullopt, n);
+}
+
 at::Tensor int_dot_q8_16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                          int64_t n) {
   return int_dot<Fmt::Q8_16>(x, qs, d, c10::nullopt, n);
@@ -559,6 +619,7 @@ TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
   lib.def("int_dot_q8_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q8_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_q8_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_q5_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
 }
@@ -569,5 +630,6 @@ TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
   lib.impl("int_dot_q8_0", &int_dot_q8_0);
   lib.impl("int_dot_q8_1", &int_dot_q8_1);
   lib.impl("int_dot_q8_16", &int_dot_q8_16);
+  lib.impl("int_dot_q5_0", &int_dot_q5_0);
   lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
 }

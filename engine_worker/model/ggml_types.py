@@ -2,8 +2,7 @@
 
     GGUFReader tensor (numpy memmap of the file's bytes)
       -> read_tensor: by GGML type
-           Q4_0, Q4_1, Q8_0          as they are (the kernel reads them natively)
-           Q5_0  (d, 5-bit q)         -> q8_0:  codes q - 16, the same fp16 d        (exact)
+           Q4_0, Q4_1, Q8_0, Q5_0    as they are (the kernel reads them natively)
            Q5_1  (d, m, 5-bit q)      -> q8_1:  codes q, the same d and m            (exact)
            Q4_K  (256: 8 x 32, 6-bit scale and min per 32)
                                        -> q4_1:  per 32, d' = d*sc, m' = -dmin*mn, codes q
@@ -13,6 +12,8 @@
            F32 / F16 / BF16           -> float32 (norms, biases)
            anything else               -> gguf's own dequantize (float32), named in the log
       -> Blocks: fmt, raw bytes (N, K/32 * block bytes); codes / scales / float view on demand
+         (for torch's packed kernels, where ours is not built, Q5_0 is rewritten as Q8_0 with
+         codes q - 16 and the same d: exact)
 
 Every code is the file's own. The K-quants' two-level scales (an fp16 super-block scale times a
 6- or 8-bit sub-block scale) become one fp16 scale per 32 (or 16) inputs: that product is rounded
@@ -89,13 +90,10 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarra
         return "q4_1", data
     if kind == qt.Q8_0:
         return "q8_0", data
-    if kind in (qt.Q5_0, qt.Q5_1):
-        per = 22 if kind == qt.Q5_0 else 24
-        b = data.reshape(n, k // 32, per)
-        if kind == qt.Q5_0:
-            codes = (_q5(b, 2).astype(np.int16) - 16).astype(np.int8)
-            out = np.concatenate([b[..., 0:2], codes.view(np.uint8)], axis=-1)
-            return "q8_0", out.reshape(n, -1)
+    if kind == qt.Q5_0:
+        return "q5_0", data
+    if kind == qt.Q5_1:
+        b = data.reshape(n, k // 32, 24)
         out = np.concatenate([b[..., 0:4], _q5(b, 4).astype(np.uint8)], axis=-1)
         return "q8_1", out.reshape(n, -1)
     if kind in (qt.Q4_K, qt.Q5_K):
@@ -141,6 +139,16 @@ class Blocks:
 
     def take_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.fmt, self.raw[order], self.n, self.k)
+
+    def packable(self) -> Blocks:
+        """These blocks in a format torch's packed kernels take where one holds them exactly
+        (Q5_0 as Q8_0: codes q - 16, the same d); else themselves."""
+        if self.fmt != "q5_0":
+            return self
+        b = self.raw.reshape(self.n, self.k // 32, 22)
+        codes = (_q5(b, 2).astype(np.int16) - 16).astype(np.int8)
+        out = np.concatenate([b[..., 0:2], codes.view(np.uint8)], axis=-1)
+        return Blocks("q8_0", out.reshape(self.n, -1), self.n, self.k)
 
     def codes_scales(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """int4: codes 0..15 (N, K), scale and zero (N, K/32), w = (q - 8) * scale + zero;

@@ -130,6 +130,7 @@ def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_k
 def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
                    use_kernel: bool, dense_min_rows: int, native_q8: bool,
                    dense_dtype: torch.dtype) -> nn.Module:
+    b = b.packable()
     if b.kind == "float":  # (formats torch has no packed kernel for, where ours is not built)
         lin = Linear(b.k, b.n, bias=False, device="meta")
         lin.weight = nn.Parameter(torch.from_numpy(b.floats()).to(device), requires_grad=False)

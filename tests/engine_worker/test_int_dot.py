@@ -25,7 +25,7 @@ from engine_worker.model.ggml_types import convert
 from tests.engine_worker.kquant_factory import quantize
 
 Q = gguf.GGMLQuantizationType
-QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
 SOURCE = {"q8_1": Q.Q5_1, "q8_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
 ROWS = (1, 2, 3, 4, 7, 8, 16, 67)  # 67: more than one group of 64 rows
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
@@ -176,7 +176,7 @@ def test_bad_input_raises_clear_errors(int_dot_kernel: None) -> None:
     with pytest.raises(ValueError, match="uint8"):
         int_dot.pack_q8_0(np.zeros((8, 34), np.int8), 8, 32)
     with pytest.raises(ValueError, match="unknown format"):
-        int_dot.pack("q5_0", raw, 96, 64)
+        int_dot.pack("q6_k", raw, 96, 64)
 
 
 def test_isa_is_the_capped_one(int_dot_kernel: None) -> None:
@@ -216,9 +216,10 @@ GOLDEN = {
     "q4_0": "a83cdec324a893163a3c90aa8b61f3ab13c486582b2474e521662271fab47c76",
     "q4_1": "43e0736a4e429a57726eb45f15a719a674c5ce4886f75ed5f14137f0bd963b29",
     "q8_0": "a28451875965f3ca62fddb009702803f5d47acd129d3ef1163dea5f6686fd597",
-    # (these two: checked from AVX512-VNNI and AVX2 builds)
+    # (these three: checked from AVX512-VNNI, AVX2 and scalar (-march=x86-64) builds)
     "q8_1": "56bb5cce154dc035675dd7b9ad626c313b663f35b8949846d6aa25186b94e918",
     "q8_16": "02bc03db0513341670a2e4cfa9149f224a9eeb0fedce2fd83e651aad451cf0eb",
+    "q5_0": "768ea19786f9cd7ea8711c6ff773fe90c45546edb34a8b5869a4f4f6fadea022",
 }
 
 
