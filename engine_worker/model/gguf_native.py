@@ -102,7 +102,8 @@ class BlockEmbedding(nn.Module):
         super().__init__()
         self.fmt, self.num_embeddings, self.embedding_dim = b.fmt, b.n, b.k
         self.raw: torch.Tensor
-        self.register_buffer("raw", torch.from_numpy(np.ascontiguousarray(b.raw)).to(device))
+        # a copy: a view would keep the whole file's mapping alive (and resident) with it
+        self.register_buffer("raw", torch.from_numpy(np.array(b.raw)).to(device))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.raw.index_select(0, ids.reshape(-1))
