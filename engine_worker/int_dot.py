@@ -165,31 +165,16 @@ def pack_fused(fmt: str, raws: list[np.ndarray | torch.Tensor], k: int) -> Packe
 def _register_fake() -> None:
     """Shape-only versions for torch.compile: once per process, whichever cache dir built it."""
 
-    @torch.library.register_fake("kestrel::int_dot_q4_0")
-    def _fake_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+    def fake(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
-    @torch.library.register_fake("kestrel::int_dot_q4_1")
-    def _fake_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                   n: int) -> torch.Tensor:
+    def fake_offset(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
-    @torch.library.register_fake("kestrel::int_dot_q8_0")
-    def _fake_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
-
-    @torch.library.register_fake("kestrel::int_dot_q8_1")
-    def _fake_q8_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                   n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
-
-    @torch.library.register_fake("kestrel::int_dot_q5_0")
-    def _fake_q5_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
-
-    @torch.library.register_fake("kestrel::int_dot_q8_16")
-    def _fake_q8_16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
+    for fmt in FORMATS:
+        torch.library.register_fake(f"kestrel::int_dot_{fmt}")(
+            fake_offset if fmt in OFFSET_FORMATS else fake)
 
 
 def load(cache_dir: str | Path | None = None) -> None:
