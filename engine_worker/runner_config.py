@@ -126,14 +126,15 @@ class RunnerConfig:
                        max_model_len=None, num_threads=None)
 
 
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 def _split_kv(total: int, target: Path, dtype: str, draft_model: str,
               cache: Path) -> tuple[int, int]:
     """--kv-cache-memory shared by the target and its draft model in proportion to their K/V
     bytes per token, so both caches hold the same number of tokens and together stay within it
     (a GGUF draft runs float32 activations and cache)."""
+    import torch  # only here, in the worker's process: this module stays torch-free to import
+
+    from engine_worker.kv_cache import kv_cache_bytes
     from engine_worker.model.loader import gguf_source, load_config, resolve_checkpoint
 
     draft_gguf = gguf_source(draft_model)
@@ -141,8 +142,7 @@ def _split_kv(total: int, target: Path, dtype: str, draft_model: str,
     draft_dtype = "float32" if draft_gguf is not None else dtype
 
     def per_token(folder: Path, name: str) -> int:
-        c = load_config(folder)
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * _ELEMENT_BYTES.get(name, 4)
+        return kv_cache_bytes(load_config(folder), 1, getattr(torch, name))
 
     t, d = per_token(target, dtype), per_token(draft, draft_dtype)
     target_share = total * t // (t + d)
