@@ -4,9 +4,9 @@
     prefills (cost per prompt token not found in its prefix cache), each later step decodes one
     token per sequence; step time = step_base + prefill_token x uncached + decode_seq x decoding
 
-Same surface as engine_worker.engine.Engine as WorkerLoop uses it (add, abort, expired, step,
-stats, has_work, requests[rid].seqs[i].status), so the real link, loop and protocol run around
-it. Its prefix cache is an LRU of chained block digests sized by kv_capacity_tokens: hit rates
+Same surface as engine_worker.engine.Engine as WorkerLoop uses it (add, abort, abort_choice,
+expired, step, stats, check_idle, has_work, requests[rid].seqs[i].status), so the real link, loop
+and protocol run around it. Its prefix cache is an LRU of chained block digests sized by kv_capacity_tokens: hit rates
 behave as a real worker's would when the router sends related prompts to it. No torch here.
 """
 
@@ -87,9 +87,25 @@ class SimEngine:
             return []
         return [self._frame(req, s, [], reason) for s in req.seqs if s.finish_reason is None]
 
+    def abort_choice(self, request_id: str, index: int) -> list[m.TokenOutput]:
+        """Stop one choice (n > 1, a stop string met at the gateway); its closing frame."""
+        req = self.requests.get(request_id)
+        seq = next((s for s in req.seqs if s.index == index), None) if req else None
+        if req is None or seq is None or seq.finish_reason is not None:
+            return []
+        seq.finish_reason = "abort"
+        if all(s.finish_reason is not None for s in req.seqs):
+            del self.requests[request_id]
+        return [self._frame(req, seq, [], "abort")]
+
     def expired(self, now: float) -> list[str]:
         return [rid for rid, r in self.requests.items()
                 if r.gen.deadline is not None and now > r.gen.deadline]
+
+    def check_idle(self) -> list[str]:
+        """Engine.check_idle's surface. Nothing here outlives its request (the prefix cache is
+        evictable, so it counts as free): an idle SimEngine is always clean."""
+        return []
 
     def stats(self) -> m.Stats:
         running = sum(1 for r in self.requests.values() for s in r.seqs
