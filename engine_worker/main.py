@@ -2,7 +2,8 @@
 
 The main thread owns the model and runs the engine loop:
 
-    drain inbound (Generate/Cancel/Reset) -> abort expired -> engine.step() -> push token frames
+    drain inbound (Generate/Cancel/Reset) -> abort expired -> engine.step() -> push the step's
+    token frames as one StepOutputs message
 
 and never waits on the network: the link's I/O thread owns the socket. Hello is sent only after
 the model is loaded, so the gateway's readiness follows the model's.
@@ -118,12 +119,15 @@ class WorkerLoop:
                 self._send_all(self.engine.abort(rid, "abort"))
 
     def _send_all(self, outputs: list[m.TokenOutput]) -> None:
+        """One StepOutputs message for all of a step's (or an abort's) token frames."""
+        if not outputs:
+            return
+        self.out.send(m.StepOutputs(outputs))
         ended: dict[str, m.TokenOutput] = {}
         for out in outputs:
             rid = out.request_id
             if out.token_ids and rid in self.link.cancel_arrivals:
                 self.after_cancel[rid] += len(out.token_ids)
-            self.out.send(out)
             if self.tracer is not None:
                 self.tracer.output(out)
             if out.finish_reason is not None:

@@ -2,8 +2,9 @@
 
     handler ──submit()──▶ registry.candidates (model, context fits) ──router.pick──▶ Generate
     handler ──cancel()──▶ the worker that owns the request ──Cancel──▶ worker
-    frame from a known worker ──(any frame: proof of life)──▶ decode ──▶ _dispatch: token
-        frames and errors to the request's queue, heartbeats to the worker's stats
+    frame from a known worker ──(any frame: proof of life)──▶ decode ──▶ _dispatch: a step's
+        token frames (StepOutputs) fanned out and errors, each to its request's queue;
+        heartbeats to the worker's stats
     frame from an unknown peer ──▶ gateway.membership (Hello, or a Reset)
     lost worker (gateway.membership: silent, connection closed; or WorkerDying, or a send that
         failed): requests that got no token yet are sent once to another worker; the others
@@ -200,17 +201,23 @@ class EngineClient:
             return
         await self._dispatch(worker, msg)
 
+    def _deliver(self, worker: WorkerState, msg: m.TokenOutput | m.RequestError) -> None:
+        handle = self.requests.get(msg.request_id)
+        if handle is None or handle.worker is not worker:
+            return
+        handle.answered = True
+        if isinstance(msg, m.RequestError):
+            msg = replace(msg, message=msg.message[:1000], code=msg.code[:64])
+        handle.events.put_nowait(msg)
+
     async def _dispatch(self, worker: WorkerState, msg: Any) -> None:
-        if isinstance(msg, (m.TokenOutput, m.RequestError)):
-            handle = self.requests.get(msg.request_id)
-            if handle is None or handle.worker is not worker:
-                return
-            handle.answered = True
+        if isinstance(msg, m.StepOutputs):  # the codec checked each finish_reason's value
+            for out in msg.outputs:
+                self._deliver(worker, out)
+        elif isinstance(msg, (m.TokenOutput, m.RequestError)):
             if isinstance(msg, m.TokenOutput) and msg.finish_reason not in (None, *FINISH_REASONS):
                 msg = replace(msg, finish_reason="abort")  # it becomes a metric label: bounded
-            elif isinstance(msg, m.RequestError):
-                msg = replace(msg, message=msg.message[:1000], code=msg.code[:64])
-            handle.events.put_nowait(msg)
+            self._deliver(worker, msg)
         elif isinstance(msg, m.Heartbeat):
             worker.stats = msg.stats
             worker.draining = msg.draining

@@ -1,7 +1,8 @@
 """One request's life at the gateway once it is admitted, whatever the route.
 
-    Generation.events():  worker frames ──▶ per-choice IncrementalDetokenizer (UTF-8 and stop
-    string holdback) ──▶ ChoiceEvent(index, text, finish_reason) ──▶ the route's formatter
+    Generation.events():  worker frames ──(a backlog: taken at once, one choice's consecutive
+    frames joined)──▶ per-choice IncrementalDetokenizer (UTF-8 and stop string holdback) ──▶
+    ChoiceEvent(index, text, finish_reason) ──▶ the route's formatter
 
 The deadline bounds every wait: past it, unfinished choices end with finish_reason "timeout" and the
 worker is told to cancel. A lost worker or an engine refusal raises EngineFailure, which the route
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -128,6 +130,23 @@ async def _get_before(queue: asyncio.Queue[T], deadline: float) -> T:
     return getter.result()
 
 
+Event = m.TokenOutput | m.RequestError | WorkerLost | Stopping
+
+
+def _joined(frames: list[m.TokenOutput]) -> m.TokenOutput:
+    """Consecutive frames of one choice as one: a route that fell behind the worker sends them
+    as one event, so its per-event work (detokenizing, JSON, the write) is paid once for the
+    backlog rather than once per token. The last frame's counts and finish, the first's timing."""
+    last = frames[-1]
+    ids = [t for f in frames for t in f.token_ids]
+    logprobs = None
+    if any(f.logprobs is not None for f in frames):
+        logprobs = [e for f in frames for e in (f.logprobs or [])]
+    since = next((f.since_scheduled_s for f in frames if f.since_scheduled_s is not None), None)
+    return m.TokenOutput(last.request_id, last.index, ids, last.finish_reason, last.prompt_tokens,
+                         last.completion_tokens, logprobs, last.cached_tokens, since)
+
+
 @dataclass
 class _Choice:
     detok: IncrementalDetokenizer
@@ -157,6 +176,10 @@ class Generation:
         self.grammar = grammar  # llguidance grammar for the worker's mask; None: free text
         self.traceparent: str | None = None  # set by the tracer before start(); None: off
         self.cache_salt = cache_salt  # the prefix cache's tenant (gateway/tenancy.py)
+        self._backlog: deque[Event] = deque()  # frames taken from the queue, not yet handled
+        # Frames are joined only without stop strings: a stop met inside a joined frame would
+        # count the tokens after it in the usage, which one frame at a time does not.
+        self._joinable = not stop
 
     @property
     def prompt_tokens(self) -> int:
@@ -187,11 +210,33 @@ class Generation:
         self.handle = await self.client.submit(self.model.model_id, gen, self.deadline)
         self._live = True
 
+    async def _next_event(self) -> Event:
+        """The next frame: from the backlog when the route fell behind (no wait, no timer; one
+        choice's consecutive token frames joined into one), else waited for until the deadline
+        (TimeoutError)."""
+        assert self.handle is not None
+        if time.monotonic() >= self.deadline:
+            raise TimeoutError
+        backlog, queue = self._backlog, self.handle.events
+        if not backlog:
+            if queue.empty():
+                return await _get_before(queue, self.deadline)
+            while not queue.empty():
+                backlog.append(queue.get_nowait())
+        event = backlog.popleft()
+        if not (self._joinable and backlog and isinstance(event, m.TokenOutput)):
+            return event
+        run = [event]
+        while (backlog and run[-1].finish_reason is None and isinstance(backlog[0], m.TokenOutput)
+               and backlog[0].index == event.index):
+            run.append(backlog.popleft())
+        return event if len(run) == 1 else _joined(run)
+
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         assert self.handle is not None
         while any(c.finish_reason is None for c in self.choices):
             try:
-                event = await _get_before(self.handle.events, self.deadline)
+                event = await self._next_event()
             except TimeoutError:
                 for i, choice in enumerate(self.choices):
                     if choice.finish_reason is None:

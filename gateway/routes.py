@@ -115,13 +115,14 @@ def _stream(state: GatewayState, req: EngineRequest, gen: Generation | None, req
                 outcome["gen"] = await state.admit.start(req, pending)
             g: Generation = outcome["gen"]
             fmt = FORMATTERS[route](req, g)
-            for chunk in fmt.stream_start():
-                yield sse_event(chunk)
+            # Each step's chunks leave in one write (a socket write per chunk costs the loop).
+            if chunks := fmt.stream_start():
+                yield b"".join(map(sse_event, chunks))
             async for event in g.events():
-                for chunk in fmt.stream_event(event):
-                    yield sse_event(chunk)
-            for chunk in fmt.stream_end():
-                yield sse_event(chunk)
+                if chunks := fmt.stream_event(event):
+                    yield b"".join(map(sse_event, chunks))
+            if chunks := fmt.stream_end():
+                yield b"".join(map(sse_event, chunks))
             if "timeout" in g.finish_reasons:
                 outcome["finish"] = "timeout"
         except APIError as exc:  # from starting a queued request: 504, 503

@@ -44,6 +44,11 @@ class SSEResponse:
     grace for the final events). A client that does not read blocks a send on TCP backpressure;
     when the bound passes, the stream ends as if it had disconnected (`on_disconnect` frees its
     place and cancels the work), so its admission slot is back at its deadline at the latest.
+
+    The events are read and written by one task with no timer of its own: a send that does not
+    block costs a lock and two clock reads. A watchdog task beside it, waking every `tick`
+    (at most a second), sends the keep-alive comments and ends a send that overran its bound,
+    so the per-event cost does not grow with these two duties.
     """
 
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], Awaitable[None]],
@@ -55,6 +60,7 @@ class SSEResponse:
         self.deadline = deadline  # monotonic
         self.keepalive_s = keepalive_s
         self.send_timeout_s = send_timeout_s
+        self.tick = min(1.0, keepalive_s / 2, send_timeout_s / 2)
 
     def _send_limit(self) -> float:
         if self.deadline is None:
@@ -65,43 +71,49 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
-        pending: asyncio.Future[bytes] | None = None
+        lock = asyncio.Lock()  # the stream and the watchdog's keep-alives take turns
+        last_write = time.monotonic()
+        write_due: float | None = None  # the send in progress must be done by then
 
-        async def bounded(message: Message) -> bool:
-            """Send; False if the client did not take it in time."""
-            with anyio.move_on_after(self._send_limit()) as limit:
+        async def write(message: Message) -> None:
+            nonlocal last_write, write_due
+            async with lock:
+                write_due = time.monotonic() + self._send_limit()
                 await send(message)
-            return not limit.cancelled_caught
+                write_due = None
+                last_write = time.monotonic()
+
+        def body(chunk: bytes, more: bool = True) -> Message:
+            return {"type": "http.response.body", "body": chunk, "more_body": more}
 
         async def listen(scope_to_cancel: anyio.CancelScope) -> None:
             await _wait_disconnect(receive)
             await self.on_disconnect()
             scope_to_cancel.cancel()
 
-        async def stream(scope_to_cancel: anyio.CancelScope) -> None:
-            nonlocal pending
-            ok = await bounded({"type": "http.response.start", "status": 200,
-                                "headers": raw_headers})
-            try:
-                it = self.events.__aiter__()
-                while ok:
-                    if pending is None:
-                        pending = asyncio.ensure_future(it.__anext__())
-                    done, _ = await asyncio.wait({pending}, timeout=self.keepalive_s)
-                    if not done:  # nothing to say yet: a comment keeps proxies from cutting us
-                        ok = await bounded({"type": "http.response.body", "body": KEEPALIVE,
-                                            "more_body": True})
-                        continue
-                    step, pending = pending, None
-                    try:
-                        chunk = step.result()
-                    except StopAsyncIteration:
+        async def watchdog(scope_to_cancel: anyio.CancelScope) -> None:
+            while True:
+                await asyncio.sleep(self.tick)
+                now = time.monotonic()
+                if write_due is not None and now > write_due:
+                    break  # the client stopped taking what we send
+                if write_due is None and not lock.locked() and now - last_write >= \
+                        self.keepalive_s:  # nothing to say yet: a comment keeps proxies quiet
+                    with anyio.move_on_after(self._send_limit()) as limit:
+                        await write(body(KEEPALIVE))
+                    if limit.cancelled_caught:
                         break
-                    ok = await bounded({"type": "http.response.body", "body": chunk,
-                                        "more_body": True})
-                if ok:
-                    ok = await bounded({"type": "http.response.body", "body": b"",
-                                        "more_body": False})
+            await self.on_disconnect()
+            scope_to_cancel.cancel()
+
+        async def stream(scope_to_cancel: anyio.CancelScope) -> None:
+            ok = True
+            try:
+                await write({"type": "http.response.start", "status": 200,
+                             "headers": raw_headers})
+                async for chunk in self.events:
+                    await write(body(chunk))
+                await write(body(b"", more=False))
             except OSError:  # the socket broke under us: same as a disconnect
                 ok = False
             if not ok:
@@ -111,12 +123,10 @@ class SSEResponse:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(listen, tg.cancel_scope)
+                tg.start_soon(watchdog, tg.cancel_scope)
                 tg.start_soon(stream, tg.cancel_scope)
         finally:
             with anyio.CancelScope(shield=True):
-                if pending is not None and not pending.done():
-                    pending.cancel()  # the generator must stop running before it is closed
-                    await asyncio.gather(pending, return_exceptions=True)
                 closer = getattr(self.events, "aclose", None)
                 if closer is not None:
                     await closer()

@@ -3,8 +3,8 @@
 encode(msg) -> [bytes([type]), payload]      (the ROUTER side prepends the peer's routing id)
 decode(frames) -> msg                         (raises DecodeError on anything malformed)
 
-The decoder checks every frame: a known type byte, a msgpack map, every required field present
-with the declared type. A frame from a buggy or hostile peer therefore becomes a DecodeError that
+The decoder checks every frame: a known type byte, a msgpack map (StepOutputs: a list of
+positional TokenOutput rows), every required field present with the declared type. A frame from a buggy or hostile peer therefore becomes a DecodeError that
 the caller answers or logs; it never reaches the engine or the HTTP layer half-built.
 """
 
@@ -33,6 +33,7 @@ TYPE_CODES: dict[type, int] = {
     m.Reset: 8,
     m.WorkerDying: 9,
     m.ProtocolError: 10,
+    m.StepOutputs: 11,
 }
 CODE_TYPES: dict[int, type] = {code: cls for cls, code in TYPE_CODES.items()}
 
@@ -41,8 +42,9 @@ CODE_TYPES: dict[int, type] = {code: cls for cls, code in TYPE_CODES.items()}
 # ~9 MB for Llama 3), every other message is small. A payload over its type's limit is refused
 # before msgpack sees it, and msgpack itself is bounded so no frame can build huge containers.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-MAX_PAYLOAD_BYTES: dict[type, int] = {m.Hello: MAX_FRAME_BYTES, m.Generate: 4 * 1024 * 1024}
-DEFAULT_MAX_PAYLOAD = 64 * 1024  # token frames, heartbeats, errors, cancels
+MAX_PAYLOAD_BYTES: dict[type, int] = {m.Hello: MAX_FRAME_BYTES, m.Generate: 4 * 1024 * 1024,
+                                      m.StepOutputs: 2 * 1024 * 1024}
+DEFAULT_MAX_PAYLOAD = 64 * 1024  # heartbeats, errors, cancels
 MAX_ARRAY_LEN = 1 << 20  # longest list (a Generate's prompt token ids)
 MAX_MAP_LEN = 64  # our maps are structs with a handful of fields
 
@@ -55,7 +57,8 @@ def encode(msg: Any) -> list[bytes]:
     code = TYPE_CODES.get(type(msg))
     if code is None:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    return [bytes([code]), msgpack.packb(_to_plain(msg), use_bin_type=True)]
+    plain = _step_rows(msg) if code == STEP_CODE else _to_plain(msg)
+    return [bytes([code]), msgpack.packb(plain, use_bin_type=True)]
 
 
 def peek_type(frames: list[bytes]) -> type | None:
@@ -83,7 +86,7 @@ def decode(frames: list[bytes]) -> Any:
                                max_map_len=MAX_MAP_LEN, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         raise DecodeError(f"payload is not msgpack: {exc}") from None
-    return _build(cls, data)
+    return _build_step(data) if cls is m.StepOutputs else _build(cls, data)
 
 
 def tokenizer_digest(info: m.TokenizerInfo) -> str:
@@ -100,6 +103,58 @@ def tokenizer_digest(info: m.TokenizerInfo) -> str:
 def _to_plain(obj: Any) -> Any:
     # asdict() recurses into nested dataclasses and copies lists: exactly the msgpack shape.
     return dataclasses.asdict(obj)
+
+
+# StepOutputs carries every sequence of a step, so it skips the generic field-by-field walk:
+# each TokenOutput is a positional row in field order, checked by _token_output.
+STEP_CODE = TYPE_CODES[m.StepOutputs]
+_OUT_FIELDS = [f.name for f in dataclasses.fields(m.TokenOutput)]
+_FINISH = frozenset(typing.get_args(m.FinishReason))
+
+
+def _step_rows(msg: m.StepOutputs) -> list[list[Any]]:
+    return [[o.request_id, o.index, o.token_ids, o.finish_reason, o.prompt_tokens,
+             o.completion_tokens, o.logprobs, o.cached_tokens, o.since_scheduled_s]
+            for o in msg.outputs]
+
+
+def _build_step(data: Any) -> m.StepOutputs:
+    if not isinstance(data, list):
+        raise DecodeError("StepOutputs: payload is not a list")
+    return m.StepOutputs([_token_output(row, i) for i, row in enumerate(data)])
+
+
+def _token_output(row: Any, i: int) -> m.TokenOutput:
+    # Rows may grow at the end within one version; a newer peer's extra fields are ignored.
+    if type(row) is not list or len(row) < 9:
+        raise DecodeError(f"StepOutputs[{i}]: expected a list of {len(_OUT_FIELDS)}")
+    rid, index, ids, finish, prompt, completion, logprobs, cached, since = row[:9]
+    if not (type(rid) is str and type(index) is int and type(prompt) is int
+            and type(completion) is int and type(cached) is int):
+        raise DecodeError(f"StepOutputs[{i}]: request_id must be a string; index and counts "
+                          "integers")
+    if type(ids) is not list or not (len(ids) == 1 and type(ids[0]) is int
+                                     or all(type(t) is int for t in ids)):
+        raise DecodeError(f"StepOutputs[{i}].token_ids: expected a list of integers")
+    if finish is not None and finish not in _FINISH:
+        raise DecodeError(f"StepOutputs[{i}].finish_reason: expected one of "
+                          f"{', '.join(sorted(_FINISH))}")
+    if since is not None:
+        since = _check(float, since, f"StepOutputs[{i}].since_scheduled_s")
+    if logprobs is not None:
+        logprobs = _check(_hints(m.TokenOutput)["logprobs"], logprobs, f"StepOutputs[{i}].logprobs")
+    # A frozen dataclass's __init__ sets each field through object.__setattr__ (most of this
+    # function's time); its __dict__ in one go makes the same object.
+    out = _new_output(m.TokenOutput)
+    _set(out, "__dict__", {"request_id": rid, "index": index, "token_ids": ids,
+                           "finish_reason": finish, "prompt_tokens": prompt,
+                           "completion_tokens": completion, "logprobs": logprobs,
+                           "cached_tokens": cached, "since_scheduled_s": since})
+    return out
+
+
+_new_output = object.__new__
+_set = object.__setattr__
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

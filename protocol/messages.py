@@ -2,7 +2,8 @@
 
 Data flow over one ZeroMQ link (gateway ROUTER <-> worker DEALER):
 
-    worker  -> gateway : Hello (first), Heartbeat (periodic, carries Stats), TokenOutput,
+    worker  -> gateway : Hello (first), Heartbeat (periodic, carries Stats), StepOutputs (one
+                         per engine step: every sequence's TokenOutput of that step),
                          RequestError, WorkerDying, ProtocolError
     gateway -> worker  : Welcome (answer to Hello), Generate, Cancel, Reset, ProtocolError
 
@@ -19,7 +20,8 @@ from typing import Literal
 
 # 2: Generate carries the remaining time (timeout_s), not a wall-clock deadline; Hello carries
 # the KV block size and a tokenizer digest.
-PROTOCOL_VERSION = 3  # 3: Generate.cache_salt
+# 3: Generate.cache_salt. 4: token frames travel in one StepOutputs per engine step.
+PROTOCOL_VERSION = 4
 
 # Why a choice ended. stop: an end-of-sequence or stop token; length: max_tokens or the context;
 # abort: cancelled (client gone, a stop string met at the gateway, worker shutting down);
@@ -151,6 +153,15 @@ class TokenOutput:
     # first scheduled the request to the sending of this frame. The gateway subtracts it from
     # its time to first token to get the queue wait (arrival to first scheduled).
     since_scheduled_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """Every TokenOutput of one engine step (or of one abort), in one message: a worker running
+    64 sequences at 50 steps a second sends 50 messages a second, not 3,200. On the wire each
+    output is a positional list in TokenOutput's field order (protocol.codec), not a map."""
+
+    outputs: list[TokenOutput]
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,8 @@ def test_worker_answers_garbage_and_keeps_serving(tiny_model_dir: Path) -> None:
         outputs = []
         while not outputs or outputs[-1].finish_reason is None:
             msg = codec.decode(recv(sock)[1:])
-            if isinstance(msg, m.TokenOutput):
-                outputs.append(msg)
+            if isinstance(msg, m.StepOutputs):  # one message per engine step
+                outputs += msg.outputs
         assert [o.completion_tokens for o in outputs] == [1, 2, 3]
         assert outputs[-1].finish_reason == "length"
         assert wk.popen.poll() is None

@@ -6,6 +6,7 @@ Uses the simulated engine (no torch) and a real WorkerLink against a ROUTER the 
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
@@ -66,7 +67,46 @@ def test_a_cancel_of_a_running_request_is_logged_then_forgotten() -> None:
     loop._send_all(engine.step())
     link.cancel_arrivals["r1"] = time.monotonic()
     loop._handle(m.Cancel("r1"))
-    assert link.cancel_arrivals == {} and link.sent[-1].finish_reason == "abort"
+    assert link.cancel_arrivals == {} and link.sent[-1].outputs[-1].finish_reason == "abort"
+
+
+def test_one_step_of_many_sequences_leaves_as_one_message() -> None:
+    engine, link = sim_engine(), FakeLink()
+    loop = WorkerLoop(Cfg(), engine, link, threading.Event())  # type: ignore[arg-type]
+    for i in range(3):
+        loop._handle(m.Generate(f"r{i}", [1, 2, 3], m.SamplingParams(max_tokens=5, n=1)))
+    loop._send_all(engine.step())
+    loop._send_all(engine.step())
+    assert [type(msg) for msg in link.sent] == [m.StepOutputs, m.StepOutputs]
+    assert [[o.request_id for o in msg.outputs] for msg in link.sent] == [["r0", "r1", "r2"]] * 2
+    loop._send_all([])  # a step that produced nothing sends nothing
+    assert len(link.sent) == 2
+
+
+def test_the_simulated_worker_loop_goes_idle_and_takes_a_per_choice_cancel() -> None:
+    """WorkerLoop.run calls check_idle as it goes idle and abort_choice for an n > 1 stop
+    string: the simulated engine has both, so kestrel-sim-worker no longer exits on them."""
+    engine, link = SimEngine(4, 1024, 16, 256, CostModel(0.01, 0.0, 0.0)), FakeLink()
+    link.inbound = queue.Queue()
+    stop = threading.Event()
+    loop = WorkerLoop(Cfg(), engine, link, stop)  # type: ignore[arg-type]
+    link.inbound.put(m.Generate("r1", [1, 2, 3], m.SamplingParams(max_tokens=50, n=2)))
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(loop.run()))
+    thread.start()
+    time.sleep(0.1)  # r1 is 10 of its 50 steps in
+    link.inbound.put(m.Cancel("r1", 1))
+    link.inbound.put(m.Generate("r2", [4], m.SamplingParams(max_tokens=3)))
+    deadline = time.monotonic() + 10
+    while (engine.has_work or len(link.sent) < 10) and time.monotonic() < deadline:
+        time.sleep(0.05)  # r2 ends, r1's choice 0 runs out: the loop goes idle
+    time.sleep(0.1)
+    stop.set()
+    thread.join(10)
+    finishes = {(o.request_id, o.index): o.finish_reason for msg in link.sent
+                for o in msg.outputs if o.finish_reason}
+    assert result == [0] and not engine.has_work
+    assert finishes == {("r1", 0): "length", ("r1", 1): "abort", ("r2", 0): "length"}
 
 
 def test_a_deadline_is_remaining_time_so_a_clock_ahead_times_nothing_out(
@@ -115,11 +155,11 @@ def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
         out = link.open_outbound()
         time.sleep(0.3)
         for i in range(20):  # the engine's frames for the old gateway's requests
-            out.send(m.TokenOutput(f"old-{i}", 0, [5]))
+            out.send(m.StepOutputs([m.TokenOutput(f"old-{i}", 0, [5])]))
         seen = []
         while (item := gw.recv(1.0)) is not None:
             seen.append(type(item[1]))
-        assert seen.count(m.Hello) == 1 and m.TokenOutput not in seen
+        assert seen.count(m.Hello) == 1 and m.StepOutputs not in seen
         resets = [msg for msg in list(link.inbound.queue) if isinstance(msg, m.Reset)]
         assert len(resets) == 1  # the engine aborts its requests once
         out.close()

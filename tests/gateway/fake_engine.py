@@ -2,7 +2,7 @@
 
 The link's own bookkeeping (registry, router, request handles, dispatch) runs for real; only the
 socket send is replaced (as tests/gateway/test_engine_client.py does). A Generate is answered by
-scheduling TokenOutput frames through the client's own dispatch, as its receive loop would.
+scheduling StepOutputs frames through the client's own dispatch, as its receive loop would.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from protocol import messages as m
 
 
 class FakeEngine:
-    """One worker serving `model_id`; each Generate gets `tokens` (one frame each) per choice,
-    the last frame with `finish_reason`."""
+    """One worker serving `model_id`; each Generate gets `tokens` (one step each) per choice,
+    the last step's frames with `finish_reason`."""
 
     def __init__(self, client: EngineClient, info: m.TokenizerInfo,
                  tokenizer: GatewayTokenizer, model_id: str = "tiny", max_model_len: int = 2048,
@@ -43,10 +43,10 @@ class FakeEngine:
         return True
 
     async def _answer(self, gen: m.Generate) -> None:
-        for index in range(gen.params.n):
-            for k, token in enumerate(self.tokens):
-                last = k == len(self.tokens) - 1
-                await self.client._dispatch(self.worker, m.TokenOutput(
-                    gen.request_id, index, [token], self.finish_reason if last else None,
-                    prompt_tokens=len(gen.prompt_token_ids), completion_tokens=k + 1,
-                    since_scheduled_s=0.001 if k == 0 else None))
+        # One StepOutputs per step, every choice's token in it, as a worker sends them.
+        for k, token in enumerate(self.tokens):
+            last = k == len(self.tokens) - 1
+            await self.client._dispatch(self.worker, m.StepOutputs([m.TokenOutput(
+                gen.request_id, index, [token], self.finish_reason if last else None,
+                prompt_tokens=len(gen.prompt_token_ids), completion_tokens=k + 1,
+                since_scheduled_s=0.001 if k == 0 else None) for index in range(gen.params.n)]))

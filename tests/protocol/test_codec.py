@@ -21,6 +21,10 @@ SAMPLES = [
     m.Generate("r2", [4], m.SamplingParams()),
     m.TokenOutput("r1", 2, [5, 6], "length", 3, 2, [[5, -0.5, [[5, -0.5], [8, -1.25]]]], 16),
     m.TokenOutput("r1", 0, [7]),
+    m.StepOutputs([m.TokenOutput("r1", 2, [5, 6], "length", 3, 2,
+                                 [[5, -0.5, [[5, -0.5], [8, -1.25]]]], 16, 0.25),
+                   m.TokenOutput("r2", 0, [7])]),
+    m.StepOutputs([]),
     m.RequestError("r1", "too long", "invalid_request"),
     m.Cancel("r1"),
     m.Heartbeat("w1", m.Stats(1, 2, 3, 4, 5, 6, 7, 8, 9), 12.5, True),
@@ -72,6 +76,17 @@ def test_encoding_a_non_message_is_a_type_error() -> None:
                              "logprobs": [[1, "-0.5", []]]})],
     [b"\x04", msgpack.packb({"request_id": "r", "index": 0, "token_ids": [1],
                              "logprobs": [[1, -0.5, [[2, -1.0, 3]]]]})],
+    # step frames: positional rows, each checked as strictly as a TokenOutput map
+    [b"\x0b", msgpack.packb({"outputs": []})],
+    [b"\x0b", msgpack.packb([["r", 0, [1]]])],
+    [b"\x0b", msgpack.packb([["r", True, [1], None, 0, 0, None, 0, None]])],
+    [b"\x0b", msgpack.packb([["r", 0, [True], None, 0, 0, None, 0, None]])],
+    [b"\x0b", msgpack.packb([["r", 0, ["1"], None, 0, 0, None, 0, None]])],
+    [b"\x0b", msgpack.packb([[5, 0, [1], None, 0, 0, None, 0, None]])],
+    [b"\x0b", msgpack.packb([["r", 0, [1], "done", 0, 0, None, 0, None]])],
+    [b"\x0b", msgpack.packb([["r", 0, [1], None, 0, 0, [[1, -0.5]], 0, None]])],
+    [b"\x0b", msgpack.packb([["r", 0, [1], None, 0, 0, None, 0, "soon"]])],
+    [b"\x0b", msgpack.packb([["r", 0, [1], None, 0, 1.5, None, 0, None]])],
 ], ids=lambda f: repr(f)[:40])
 def test_malformed_frames_raise_decode_error(frames: list[bytes]) -> None:
     with pytest.raises(codec.DecodeError):
@@ -87,6 +102,31 @@ def test_every_finish_reason_the_worker_sends_decodes(reason: str) -> None:
 def test_unknown_fields_are_ignored_within_a_version() -> None:
     payload = msgpack.packb({"request_id": "r", "added_later": 1})
     assert codec.decode([b"\x06", payload]) == m.Cancel("r")
+
+
+def test_a_step_row_with_fields_added_later_still_decodes() -> None:
+    payload = msgpack.packb([["r", 0, [1], "stop", 2, 1, None, 0, None, "added later"]])
+    assert codec.decode([b"\x0b", payload]) == m.StepOutputs([m.TokenOutput("r", 0, [1], "stop",
+                                                                             2, 1)])
+
+
+def test_a_step_of_64_sequences_is_one_message_smaller_than_64_token_frames() -> None:
+    outs = [m.TokenOutput(f"{i:012x}-{i}", 0, [1000 + i], None, 12, 40) for i in range(64)]
+    step = codec.encode(m.StepOutputs(outs))
+    assert codec.decode(step) == m.StepOutputs(outs)
+    assert len(step[1]) < sum(len(codec.encode(o)[1]) for o in outs) / 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.none(), st.integers(-2**63, 2**63 - 1),
+                                   st.text(max_size=3),
+                                   st.lists(st.integers(0, 2**32), max_size=3)), max_size=10),
+                max_size=3))
+def test_random_step_rows_never_raise_anything_but_decode_error(rows: list) -> None:
+    try:
+        codec.decode([b"\x0b", msgpack.packb(rows)])
+    except codec.DecodeError:
+        pass
 
 
 @settings(max_examples=300, deadline=None)

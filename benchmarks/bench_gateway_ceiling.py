@@ -1,0 +1,209 @@
+"""The gateway's ceiling: how many streamed tokens/s one gateway delivers when the workers cost
+nothing, so that only the gateway (and the client on the same cores) limits the rate.
+
+    python benchmarks/bench_gateway_ceiling.py [--workers 1,2,4,8] [--seconds 10]
+                                               [--seqs 64] [--tokens 256] [--gateways 1]
+
+Each run starts a real gateway (`--api-server-count` G when --gateways G) and N
+`kestrel-sim-worker` processes whose steps cost 0 ms (`--step-base-ms 0`, 64 sequences each), then
+keeps 2 x 64 x N streams busy in a closed loop (each asks for 256 tokens with ignore_eos and
+`stream_options.include_usage`). The client is raw asyncio over HTTP/1.1 keep-alive connections
+that reads the chunked body and takes the completion tokens from the final usage chunk, so it
+costs the shared cores as little as a client can. Reported per N:
+
+  tokens/s   completion tokens of the streams that ended inside the window, over the window
+  gateway CPU  user + system seconds of the gateway process(es) over the window, per second
+  loop lag   kestrel_event_loop_lag_seconds (a timer due every 100 ms) over the window: mean,
+             and the share of samples later than 50 ms
+
+Prints a Markdown table; no assertion: figures go to INFERENCE_BENCHMARK_REPORT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_routing import tokenizer_dir  # noqa: E402
+from tests.procs import GatewayProc, Proc  # noqa: E402
+
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Window:
+    tokens: int = 0
+    streams: int = 0
+    errors: int = 0
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """The body of a chunked response; only its tail matters (the usage chunk)."""
+    tail = b""
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()
+            return tail
+        data = await reader.readexactly(size + 2)
+        tail = (tail + data)[-4096:]
+
+
+async def stream_user(host: str, port: int, body: bytes, end: float, window: tuple[float, float],
+                      out: Window) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        while time.monotonic() < end:
+            writer.write(head + body)
+            status = await reader.readline()
+            chunked, length = False, 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                lower = line.lower()
+                chunked |= lower.startswith(b"transfer-encoding: chunked")
+                if lower.startswith(b"content-length:"):
+                    length = int(lower.split(b":")[1])
+            if not chunked:  # an error answer (429...): read it, count it, go on
+                await reader.readexactly(length)
+                out.errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            tail = await _read_chunked(reader)
+            found = USAGE.findall(tail)
+            now = time.monotonic()
+            if b" 200 " not in status or not found or b'"error"' in tail:
+                out.errors += 1
+            elif window[0] <= now <= window[1]:
+                out.tokens += int(found[-1])
+                out.streams += 1
+    finally:
+        writer.close()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICK
+
+
+def gateway_pids(gw: GatewayProc) -> list[int]:
+    """The gateway process and its children (the extra API servers)."""
+    assert gw.popen is not None
+    pids = [gw.popen.pid]
+    for task in Path(f"/proc/{gw.popen.pid}/task").iterdir():
+        children = (task / "children")
+        if children.exists():
+            pids += [int(p) for p in children.read_text().split()]
+    return pids
+
+
+def loop_lag(text: str) -> tuple[float, float, float]:
+    """(sum, count, samples <= 50 ms) of the lag histogram, summed over processes' lines."""
+    total = count = under = 0.0
+    for line in text.splitlines():
+        if line.startswith("kestrel_event_loop_lag_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("kestrel_event_loop_lag_seconds_count"):
+            count += float(line.split()[-1])
+        elif line.startswith('kestrel_event_loop_lag_seconds_bucket{le="0.05"}'):
+            under += float(line.split()[-1])
+    return total, count, under
+
+
+def start(n: int, seqs: int, gateways: int) -> tuple[GatewayProc, list[Proc]]:
+    flags = ["--max-queue", "4096", "--log-level", "WARNING"]
+    if gateways > 1:
+        flags += ["--api-server-count", str(gateways)]
+    gw = GatewayProc(*flags).start()
+    workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
+                     str(tokenizer_dir()), "--gateway-address", gw.engine_address,
+                     "--log-level", "WARNING", "--max-num-seqs", str(seqs), "--step-base-ms", "0",
+                     "--decode-seq-ms", "0", "--prefill-token-ms", "0"]).start()
+               for _ in range(n)]
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            health = httpx.get(gw.base_url + "/health", timeout=2).json()
+            if len(health["workers"]) == n and health.get("gateways_ready", 1) == gateways:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(gw.output()[-2000:])
+        time.sleep(0.2)
+    return gw, workers
+
+
+def run(n: int, seqs: int, tokens: int, seconds: float, gateways: int) -> dict[str, float]:
+    gw, workers = start(n, seqs, gateways)
+    try:
+        body = json.dumps({"model": "", "prompt": "ceiling", "max_tokens": tokens,
+                           "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        model = httpx.get(gw.base_url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        body = body.replace(b'"model": ""', f'"model": "{model}"'.encode())
+        out = Window()
+        warm = 3.0
+        t0 = time.monotonic()
+        window = (t0 + warm, t0 + warm + seconds)
+        pids = gateway_pids(gw)
+
+        async def measure() -> tuple[float, float, tuple[float, float, float]]:
+            users = [asyncio.create_task(stream_user("127.0.0.1", gw.port, body, window[1], window,
+                                                     out)) for _ in range(2 * seqs * n)]
+            await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+            cpu0, lag0 = cpu_seconds(pids), loop_lag(gw.metrics())
+            await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+            cpu1, lag1 = cpu_seconds(pids), loop_lag(gw.metrics())
+            await asyncio.gather(*users, return_exceptions=True)
+            return cpu0, cpu1, tuple(b - a for a, b in zip(lag0, lag1, strict=True))
+
+        cpu0, cpu1, (lag_sum, lag_count, lag_under) = asyncio.run(measure())
+    finally:
+        for w in workers:
+            w.stop()
+        gw.stop()
+    return {"tokens_s": out.tokens / seconds, "streams": out.streams, "errors": out.errors,
+            "cpu": (cpu1 - cpu0) / seconds, "lag_ms": 1000 * lag_sum / max(1.0, lag_count),
+            "late": 1 - lag_under / max(1.0, lag_count)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="1,2,4,8")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--gateways", type=int, default=1)
+    args = parser.parse_args()
+    print(f"\n### Gateway ceiling: zero-cost simulated workers, {args.seqs} sequences each, "
+          f"2 x {args.seqs} x N streams of {args.tokens} tokens, {args.gateways} gateway "
+          "process(es)\n")
+    print("| workers | streams done | errors | streamed tokens/s | gateway CPU (s/s) | "
+          "loop lag mean (ms) | lag > 50 ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in (int(x) for x in args.workers.split(",")):
+        r = run(n, args.seqs, args.tokens, args.seconds, args.gateways)
+        print(f"| {n} | {r['streams']} | {r['errors']} | {r['tokens_s']:.0f} | {r['cpu']:.2f} | "
+              f"{r['lag_ms']:.1f} | {100 * r['late']:.0f}% |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
