@@ -1,19 +1,22 @@
 """Failover between two real workers joining from separate source addresses (127.0.0.2 and
 127.0.0.3, ZeroMQ's "tcp://SOURCE:0;GATEWAY" syntax): kill -9 one under load; only its streams
 that had tokens fail, the ones still waiting at it are retried on the other and complete; it
-rejoins and takes work again.
+rejoins and takes work again. And at scale, with simulated workers: 64 streams, a kill -9 fails
+only the streams its worker was running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, Proc, WorkerProc
 
 STREAMS = 6
 
@@ -132,3 +135,66 @@ def test_kill_one_worker_under_load_retries_its_waiting_streams(tiny_model_dir: 
             a.stop()
             if b is not None:
                 b.stop()
+
+
+def sim_worker(gw: GatewayProc, *flags: str) -> Proc:
+    from benchmarks.bench_routing import tokenizer_dir
+
+    return Proc([sys.executable, "-m", "engine_worker.simulated", "--model", str(tokenizer_dir()),
+                 "--gateway-address", gw.engine_address, *flags]).start()
+
+
+def test_kill_9_under_64_streams_fails_only_the_streams_the_lost_worker_was_running() -> None:
+    """Two simulated workers of 16 sequences each, 64 streams at once (32 running, 32 queued at
+    the gateway): a kill -9 fails at most the 16 its worker ran, each of which had tokens; every
+    other stream completes, on the survivor."""
+    seqs, streams, tokens = 16, 64, 48
+    with GatewayProc("--default-timeout-s", "300", "--max-queue", "256") as gw:
+        gw.wait_live()
+        flags = ("--max-num-seqs", str(seqs), "--step-base-ms", "40", "--decode-seq-ms", "0")
+        victim, survivor = sim_worker(gw, *flags), sim_worker(gw, *flags)
+        try:
+            wait_for(lambda: len(health(gw)["workers"]) == 2, 60, "two workers")
+            victim_id = health(gw)["workers"][0]["id"]
+            results: list[dict] = [{"tokens": 0, "error": None, "usage": None}
+                                   for _ in range(streams)]
+
+            async def one(http: httpx.AsyncClient, res: dict) -> None:
+                body = {"prompt": "under load", "max_tokens": tokens, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            res["error"] = event["error"].get("code")
+                        elif event.get("usage"):
+                            res["usage"] = event["usage"]["completion_tokens"]
+                        elif event["choices"]:
+                            res["tokens"] += 1
+
+            async def run() -> tuple[int, set[int]]:
+                async with httpx.AsyncClient(base_url=gw.base_url, timeout=120) as http:
+                    tasks = [asyncio.create_task(one(http, r)) for r in results]
+                    # Both workers full, with tokens on their streams; then kill the first.
+                    await asyncio.to_thread(wait_for, lambda: sum(
+                        r["tokens"] >= 5 for r in results) >= 2 * seqs, 60, "tokens")
+                    running = next(w for w in health(gw)["workers"] if w["id"] == victim_id)
+                    had_tokens = {i for i, r in enumerate(results) if r["tokens"] > 0}
+                    victim.kill()
+                    await asyncio.gather(*tasks)
+                return running["in_flight"], had_tokens
+
+            in_flight, had_tokens = asyncio.run(run())
+            failed = {i for i, r in enumerate(results) if r["error"] is not None}
+            assert failed, "the kill failed no stream: it happened too late to test anything"
+            assert len(failed) <= min(seqs, in_flight), (len(failed), in_flight)
+            assert failed <= had_tokens
+            assert {results[i]["error"] for i in failed} == {"worker_lost"}
+            assert all(r["usage"] == tokens for i, r in enumerate(results) if i not in failed), \
+                [r for r in results if r["error"] is None and r["usage"] != tokens]
+        finally:
+            victim.kill()
+            survivor.stop()
