@@ -1,12 +1,17 @@
 """Routing and scaling with simulated-compute workers (no torch, one process per worker).
 
     python benchmarks/bench_routing.py [--seconds 12] [--workers 1,2,4,8]
+                                       [--only scaling|shapes|prefix]
 
-Two experiments, each against a real gateway and real `kestrel-sim-worker` processes over real
+Three experiments, each against a real gateway and real `kestrel-sim-worker` processes over real
 ZeroMQ; only the workers' compute is simulated (a sleep per engine step by a cost model):
 
   scaling   closed loop, concurrency = workers x max_num_seqs, short prompts: completion
             tokens/s with N workers against N x one worker's (goal: >= 0.9)
+  shapes    the same ratio under three load shapes, streamed, 16 sequences and 60 ms a step
+            per worker: bursts (2 x 16 x N streams at once, again when all have ended),
+            Poisson and gamma (burstiness 0.5) arrivals at 1.25x what N workers can serve
+            (429s are left out: the tokens/s counts what was served)
   prefix    16 long shared system prompts (one per "tenant") with unique questions, 4 workers
             whose prefix caches each hold only a few of them: prefix-hit rate (cached prompt
             tokens / prompt tokens, from the responses' usage) with routing cache_aware vs
@@ -127,6 +132,72 @@ def scaling(counts: list[int], seconds: float) -> None:
               flush=True)
 
 
+SHAPE_SEQS, SHAPE_STEP_S, SHAPE_TOKENS = 16, 0.06, 32
+
+
+async def _streamed(http: httpx.AsyncClient, prompt: str) -> int:
+    """One streamed completion; its completion tokens (0 for a 429 or an error)."""
+    body = {"prompt": prompt, "max_tokens": SHAPE_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    used = 0
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            if resp.status_code == 200 and line.startswith('data: {"') and '"usage":{' in line:
+                used = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
+    return used
+
+
+async def load_shape(base_url: str, n: int, shape: str, seconds: float, seed: int) -> float:
+    """Completion tokens/s served to streams that ended inside the window."""
+    rng = random.Random(seed)
+    served = [0]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
+        t0 = time.monotonic()
+        end = t0 + seconds
+
+        async def one() -> None:
+            tokens = await _streamed(http, f"shape {rng.random():.9f}")
+            if time.monotonic() <= end:
+                served[0] += tokens
+
+        if shape == "burst":
+            while time.monotonic() < end:
+                await asyncio.gather(*(one() for _ in range(2 * SHAPE_SEQS * n)))
+        else:  # open loop: gamma gaps (shape 1: Poisson), mean 1 / rate
+            per_worker = SHAPE_SEQS / (SHAPE_TOKENS * SHAPE_STEP_S)  # requests/s it can serve
+            rate, k = 1.25 * n * per_worker, (1.0 if shape == "poisson" else 0.5)
+            tasks = []
+            while time.monotonic() < end:
+                tasks.append(asyncio.create_task(one()))
+                await asyncio.sleep(rng.gammavariate(k, 1.0 / (rate * k)))
+            await asyncio.gather(*tasks)
+        return served[0] / (end - t0)
+
+
+def shapes(counts: list[int], seconds: float) -> None:
+    flags = ["--max-num-seqs", str(SHAPE_SEQS), "--step-base-ms", str(SHAPE_STEP_S * 1000),
+             "--decode-seq-ms", "0", "--prefill-token-ms", "0"]
+    print(f"\n### Scaling under load shapes: simulated workers ({SHAPE_SEQS} sequences, "
+          f"{SHAPE_STEP_S * 1000:.0f} ms a step), streamed, max_tokens {SHAPE_TOKENS}\n")
+    names = ("burst", "poisson", "gamma")
+    print("| workers | " + " | ".join(f"{s} tok/s | {s} vs N x one" for s in names) + " |")
+    print("|---:|" + "---:|---:|" * len(names))
+    base: dict[str, float] = {}
+    for n in counts:
+        gw, workers = start(n, "cache_aware", flags)
+        cells = []
+        try:
+            asyncio.run(load_shape(gw.base_url, n, "burst", 2.0, 99))  # warm up
+            for i, shape in enumerate(names):
+                tps = asyncio.run(load_shape(gw.base_url, n, shape, seconds, i))
+                base.setdefault(shape, tps / n)
+                cells.append(f"{tps:.0f} | {tps / (n * base[shape]):.2f}")
+        finally:
+            stop(gw, workers)
+        print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+
+
 def prefix(seconds: float) -> None:
     n, tenants = 4, 16
     # Each worker's cache holds 4096 tokens: about 4 of the ~900-token system prompts.
@@ -152,10 +223,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--workers", default="1,2,4,8")
-    parser.add_argument("--only", choices=("scaling", "prefix"), default=None)
+    parser.add_argument("--only", choices=("scaling", "shapes", "prefix"), default=None)
     args = parser.parse_args()
+    counts = [int(x) for x in args.workers.split(",")]
     if args.only in (None, "scaling"):
-        scaling([int(x) for x in args.workers.split(",")], args.seconds)
+        scaling(counts, args.seconds)
+    if args.only in (None, "shapes"):
+        shapes(counts, args.seconds)
     if args.only in (None, "prefix"):
         prefix(args.seconds)
     return 0

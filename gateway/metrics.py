@@ -132,8 +132,9 @@ class Metrics:
 
         self.ttft = latency("time_to_first_token", "arrival at the gateway to the first token, "
                             "every request that produced one, streamed or not")
-        self.itl = latency("inter_token_latency", "gap between consecutive token frames of one "
-                           "choice (one token each, unless speculative decoding sends several)")
+        self.itl = latency("inter_token_latency", "gap between consecutive token events of one "
+                           "choice (one token each, unless speculative decoding sends several or "
+                           "a stream that fell behind takes its queued frames as one)")
         self.tpot = latency("time_per_output_token",
                             "per request: first to last token over the tokens after the first")
         self.e2e = latency("e2e_request_latency",
