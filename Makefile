@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: install serve test test-avx2 lint clean
+.PHONY: install serve test test-avx2 lint clean images python-base
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,36 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Container images with podman, tagged as deploy/docker-compose.yml names them. BASE is the
+# Python 3.11 image both build on: the public one by default. A host that cannot pull it makes its
+# own from a Debian image first: `make python-base DEBIAN_BASE=localhost/debian-base:bookworm`,
+# then `make images BASE=localhost/kestrel-python:3.11-bookworm`.
+#   WHEELHOUSE         wheels for the worker's torch where PyTorch's index cannot be reached, given
+#                      to pip as PIP_FIND_LINKS: a URL the build reaches (a local folder served over
+#                      HTTP, with IMAGE_BUILD_FLAGS=--network host)
+#   IMAGE_BUILD_FLAGS  whatever else this host's builds need (a CA bundle mounted over the image's)
+#   BASE_BUILD_FLAGS   the same for python-base (a bundle mounted there breaks ca-certificates)
+# --format docker: podman's default OCI format drops HEALTHCHECK. tests/deploy/test_images_run.py
+# runs the two images (PODMAN, GATEWAY_IMAGE, WORKER_IMAGE from the environment) once they exist;
+# `make test` never builds them.
+PODMAN ?= podman
+BASE ?= python:3.11.11-slim-bookworm
+DEBIAN_BASE ?= debian:bookworm-slim
+PYTHON_BASE_IMAGE ?= localhost/kestrel-python:3.11-bookworm
+GATEWAY_IMAGE ?= kestrel-gateway:0.1.0
+WORKER_IMAGE ?= kestrel-worker:0.1.0-cpu
+WHEELHOUSE ?=
+IMAGE_BUILD_FLAGS ?=
+BASE_BUILD_FLAGS ?=
+IMAGE_BUILD := $(PODMAN) build --format docker $(IMAGE_BUILD_FLAGS)
+
+images:
+	$(IMAGE_BUILD) --build-arg BASE=$(BASE) -f deploy/Dockerfile.gateway -t $(GATEWAY_IMAGE) .
+	$(IMAGE_BUILD) --build-arg BASE=$(BASE) \
+	    $(if $(WHEELHOUSE),--build-arg PIP_FIND_LINKS=$(WHEELHOUSE)) \
+	    -f deploy/Dockerfile.worker -t $(WORKER_IMAGE) .
+
+python-base:
+	$(PODMAN) build --format docker $(BASE_BUILD_FLAGS) --build-arg DEBIAN_BASE=$(DEBIAN_BASE) \
+	    -f deploy/Dockerfile.python-base -t $(PYTHON_BASE_IMAGE) deploy
