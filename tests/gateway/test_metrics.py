@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
-from gateway.generation import Timings
 from gateway.metrics import LATENCY_BUCKETS, Metrics
 from gateway.service import GatewayState
+from gateway.timings import Timings
 from protocol import messages as m
 
 
