@@ -6,8 +6,9 @@
 
 Same surface as engine_worker.engine.Engine as WorkerLoop uses it (add, abort, abort_choice,
 expired, step, stats, check_idle, has_work, requests[rid].seqs[i].status), so the real link, loop
-and protocol run around it. Its prefix cache is an LRU of chained block digests sized by kv_capacity_tokens: hit rates
-behave as a real worker's would when the router sends related prompts to it. No torch here.
+and protocol run around it. Its prefix cache is an LRU of chained block digests sized by
+kv_capacity_tokens: hit rates behave as a real worker's would when the router sends related
+prompts to it. No torch here.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ encode(msg) -> [bytes([type]), payload]      (the ROUTER side prepends the peer'
 decode(frames) -> msg                         (raises DecodeError on anything malformed)
 
 The decoder checks every frame: a known type byte, a msgpack map (StepOutputs: a list of
-positional TokenOutput rows), every required field present with the declared type. A frame from a buggy or hostile peer therefore becomes a DecodeError that
-the caller answers or logs; it never reaches the engine or the HTTP layer half-built.
+positional TokenOutput rows), every required field present with the declared type. A frame from a
+buggy or hostile peer therefore becomes a DecodeError that the caller answers or logs; it never
+reaches the engine or the HTTP layer half-built.
 """
 
 from __future__ import annotations
