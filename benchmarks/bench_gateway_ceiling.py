@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_routing import tokenizer_dir  # noqa: E402
+from gateway.api_servers import link_address  # noqa: E402
 from tests.procs import GatewayProc, Proc  # noqa: E402
 
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
@@ -103,13 +104,11 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def gateway_pids(gw: GatewayProc) -> list[int]:
-    """The gateway process and its children (the extra API servers)."""
+    """The gateway process and its children (the other API server processes)."""
     assert gw.popen is not None
     pids = [gw.popen.pid]
     for task in Path(f"/proc/{gw.popen.pid}/task").iterdir():
-        children = (task / "children")
-        if children.exists():
-            pids += [int(p) for p in children.read_text().split()]
+        pids += [int(p) for p in (task / "children").read_text().split()]
     return pids
 
 
@@ -131,16 +130,17 @@ def start(n: int, seqs: int, gateways: int) -> tuple[GatewayProc, list[Proc]]:
     if gateways > 1:
         flags += ["--api-server-count", str(gateways)]
     gw = GatewayProc(*flags).start()
+    links = ",".join(link_address(gw.engine_address, i) for i in range(gateways))
     workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
-                     str(tokenizer_dir()), "--gateway-address", gw.engine_address,
+                     str(tokenizer_dir()), "--gateway-address", links,
                      "--log-level", "WARNING", "--max-num-seqs", str(seqs), "--step-base-ms", "0",
                      "--decode-seq-ms", "0", "--prefill-token-ms", "0"]).start()
                for _ in range(n)]
     deadline = time.monotonic() + 90
     while True:
-        try:
-            health = httpx.get(gw.base_url + "/health", timeout=2).json()
-            if len(health["workers"]) == n and health.get("gateways_ready", 1) == gateways:
+        try:  # each new connection may land on any of the processes: all must see n
+            if all(len(httpx.get(gw.base_url + "/health", timeout=2).json()["workers"]) == n
+                   for _ in range(4 * gateways)):
                 break
         except httpx.HTTPError:
             pass

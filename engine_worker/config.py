@@ -36,7 +36,8 @@ def cache_dir_from_env() -> Path:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    gateway_address: str = setting(DEFAULT_ENGINE_ADDRESS, "ZeroMQ address of the gateway")
+    gateway_address: str = setting(DEFAULT_ENGINE_ADDRESS, "ZeroMQ address of the gateway (one "
+                                   "per API server process, comma-separated)")
     model: str = setting(
         "default",
         "'default' (the embedded SmolLM2-135M-Instruct), a local Hugging Face checkpoint "
@@ -108,8 +109,11 @@ class WorkerConfig:
         return tuple(n.strip() for n in self.model_id.split(",") if n.strip())
 
     def __post_init__(self) -> None:
-        if not self.gateway_address.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"gateway_address must be a ZeroMQ address: {self.gateway_address!r}")
+        addresses = [a.strip() for a in self.gateway_address.split(",") if a.strip()]
+        if not addresses or not all(a.startswith(("tcp://", "ipc://", "inproc://"))
+                                    for a in addresses):
+            raise ValueError("gateway_address must be ZeroMQ addresses (comma-separated for a "
+                             f"gateway's several API servers): {self.gateway_address!r}")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)

@@ -94,6 +94,10 @@ class WorkerLink:
     def open_outbound(self) -> Outbound:
         return Outbound(self._ctx, self._inproc)
 
+    def reset_scope(self, msg: m.Reset, request_ids: list[str]) -> list[str]:
+        """The requests a Reset ends: with one gateway, all of them."""
+        return request_ids
+
     def stop(self, dying_reason: str | None = None, timeout: float = 2.0) -> None:
         """Flush what the engine pushed, optionally say WorkerDying, and close."""
         if dying_reason is not None:

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,8 @@ class WorkerLoop:
             # The request has ended (its end, if it had one here, was logged by the line above
             # and took the arrival time with it): nothing else will pop it now.
             self.link.cancel_arrivals.pop(msg.request_id, None)
-        elif isinstance(msg, m.Reset):
-            for rid in list(self.engine.requests):
+        elif isinstance(msg, m.Reset):  # the requests of the gateway that sent it
+            for rid in self.link.reset_scope(msg, list(self.engine.requests)):
                 self._send_all(self.engine.abort(rid, "abort"))
 
     def _send_all(self, outputs: list[m.TokenOutput]) -> None:
@@ -178,16 +179,27 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
 
 
 def open_link(cfg: WorkerConfig, hello: m.Hello) -> Any:
-    """The worker's link, with CURVE keys when configured (warned about off loopback)."""
+    """The worker's link, with CURVE keys when configured (warned about off loopback); one per
+    address when the gateway runs several API server processes (comma-separated addresses),
+    each announcing its share of max_num_seqs."""
     from engine_worker.link import WorkerLink
+    from engine_worker.link_set import LinkSet
 
     keys = load_secret_key(cfg.link_secret_key) if cfg.link_secret_key else None
     gateway_key = load_public_key(cfg.link_gateway_key) if cfg.link_gateway_key else None
-    if keys is None and not is_loopback(cfg.gateway_address):
-        log.warning("joining %s without CURVE keys: the link is neither authenticated nor "
-                    "encrypted (pass --link-secret-key and --link-gateway-key)",
-                    cfg.gateway_address)
-    return WorkerLink(cfg.gateway_address, hello, cfg.heartbeat_s, keys, gateway_key)
+    addresses = gateway_addresses(cfg.gateway_address)
+    for address in addresses:
+        if keys is None and not is_loopback(address):
+            log.warning("joining %s without CURVE keys: the link is neither authenticated nor "
+                        "encrypted (pass --link-secret-key and --link-gateway-key)", address)
+    if len(addresses) == 1:
+        return WorkerLink(addresses[0], hello, cfg.heartbeat_s, keys, gateway_key)
+    share = replace(hello, max_num_seqs=max(1, hello.max_num_seqs // len(addresses)))
+    return LinkSet([WorkerLink(a, share, cfg.heartbeat_s, keys, gateway_key) for a in addresses])
+
+
+def gateway_addresses(setting: str) -> list[str]:
+    return [a.strip() for a in setting.split(",") if a.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

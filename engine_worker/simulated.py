@@ -30,7 +30,8 @@ log = logging.getLogger("kestrel.worker.sim")
 
 @dataclass(frozen=True)
 class SimWorkerConfig:
-    gateway_address: str = setting(DEFAULT_ENGINE_ADDRESS, "ZeroMQ address of the gateway")
+    gateway_address: str = setting(DEFAULT_ENGINE_ADDRESS, "ZeroMQ address of the gateway (one "
+                                   "per API server process, comma-separated)")
     model: str = setting("", "a folder holding the tokenizer to announce (tokenizer.json ...)")
     model_id: str = setting("", "name the model is served as (default: the folder's name)")
     max_num_seqs: int = setting(16, "most sequences in the running batch")

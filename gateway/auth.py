@@ -16,10 +16,11 @@ from starlette.requests import Request
 
 from gateway.errors import APIError, too_many_requests
 from gateway.rate_limit import RateLimiter
+from gateway.shared_limits import SharedRateLimiter
 
 
 class Auth:
-    def __init__(self, keys: frozenset[str], limiter: RateLimiter,
+    def __init__(self, keys: frozenset[str], limiter: RateLimiter | SharedRateLimiter,
                  rejections: Counter | None = None) -> None:
         self.keys = keys
         # A configured key is text (a file is UTF-8); a header is latin-1-decoded bytes: both

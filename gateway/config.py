@@ -59,6 +59,14 @@ class GatewayConfig:
     routing: str = setting("cache_aware", "worker choice: cache_aware (load and prefix blocks "
                            "held) or least_loaded")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
+    api_server_count: int = setting(1, "gateway processes accepting on this port (SO_REUSEPORT); "
+                                    "process i binds its own engine link at engine_address's "
+                                    "port + i (ipc: PATH.i), and every worker joins all of them; "
+                                    "the rate limit is shared, worker capacity and max_queue split")
+    api_server_index: int = setting(0, "this process's place among api_server_count (process 0 "
+                                    "sets it for the ones it starts)")
+    shared_state: str = setting("", "file the API server processes share the rate limit through "
+                                "(process 0 makes it)")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces, e.g. "
                                  "http://127.0.0.1:4318 (empty: tracing off; needs the otel extra)")
@@ -77,6 +85,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_rendered_prompt_chars < 0:
             raise ValueError("max_rendered_prompt_chars must be >= 0")
+        if not 0 <= self.api_server_index < self.api_server_count:
+            raise ValueError("api_server_count must be >= 1 and api_server_index below it")
         if self.max_outstanding < 0 or self.max_queue < 0:
             raise ValueError("max_outstanding and max_queue must be >= 0")
         if self.default_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:

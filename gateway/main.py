@@ -7,6 +7,7 @@ with a 503 in their own shape (GatewayState.begin_drain), then closes the port a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -17,6 +18,7 @@ import uvicorn
 
 from common.jsonlog import setup_logging
 from common.settings import parse_settings
+from gateway.api_servers import Children, all_link_addresses, listen_socket, own_share
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import guarded_h11
@@ -35,13 +37,17 @@ class DrainingServer(uvicorn.Server):
     listener closed, idle keep-alive connections asked to close, the lifespan's exit.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, drain_timeout_s: float,
+                 children: Children | None = None) -> None:
         super().__init__(config)
         self._app = app
+        self._children = children  # the other API server processes, when this is process 0
         self._drain_timeout_s = drain_timeout_s
         self._draining_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._children is not None:
+            self._children.signal(sig)  # each drains as this one does
         self._app.state.gateway.begin_drain()
         # Not super().handle_exit: it records the signal, and after the shutdown uvicorn raises
         # it again with the default handler, so a clean drain would end with status -15, not 0.
@@ -69,6 +75,14 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
 
 def run(cfg: GatewayConfig) -> None:
     setup_logging(cfg.log_level)
+    children = None
+    if cfg.api_server_count > 1 and cfg.api_server_index == 0:
+        children = Children(cfg)  # processes 1..K-1, sharing the rate limit through a file
+        cfg = dataclasses.replace(cfg, shared_state=children.shared_state)
+        children.start()
+        log.info("%d API server processes on port %d; workers join %s", cfg.api_server_count,
+                 cfg.port, ",".join(all_link_addresses(cfg)))
+    cfg = own_share(cfg)
     app = create_app(cfg)
     # The app ends its own requests at drain_timeout_s (cleanly: an error response or event);
     # uvicorn's own limit, which cancels handlers mid-write, is only a backstop. A float on
@@ -83,7 +97,16 @@ def run(cfg: GatewayConfig) -> None:
                             proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
                             http=guarded_h11(cfg.header_timeout_s, cfg.send_timeout_s),
                             limit_concurrency=cfg.max_connections)
-    DrainingServer(config, app, cfg.drain_timeout_s).run()
+    server = DrainingServer(config, app, cfg.drain_timeout_s, children)
+    if cfg.api_server_count == 1:
+        server.run()
+        return
+    try:  # the port is shared: each process accepts on its own SO_REUSEPORT socket
+        server.run(sockets=[listen_socket(cfg.host, cfg.port)])
+    finally:
+        if children is not None:
+            children.signal(signal.SIGTERM)
+            children.wait(cfg.drain_timeout_s + DRAIN_BACKSTOP_S + 5)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from gateway.intake import Intake
 from gateway.metrics import Metrics
 from gateway.rate_limit import RateLimiter
 from gateway.service_time import ServiceTimes
+from gateway.shared_limits import SharedRateLimiter
 from gateway.tracing import RequestTracer
 
 
@@ -33,8 +34,10 @@ class GatewayState:
         service_times = ServiceTimes()  # each worker's measured prefill and token rates
         self.accounting = Accounting(self.metrics, service_times,
                                      RequestTracer.create(cfg.otlp_endpoint))
-        self.auth = Auth(cfg.keys(), RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst),
-                         self.metrics.rejections)
+        # With several API server processes the buckets live in the file they all map.
+        limiter = SharedRateLimiter(cfg.shared_state, cfg.rate_limit_rps, cfg.rate_limit_burst) \
+            if cfg.shared_state else RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
+        self.auth = Auth(cfg.keys(), limiter, self.metrics.rejections)
         self.intake = Intake(cfg, self.client, service_times)
         self.admit = Admitter(cfg, self.client, service_times, self.accounting,
                               self.metrics.rejections)
@@ -89,7 +92,10 @@ class GatewayState:
         admission = self.admission
         return {"status": status, "models": list(self.client.models), "workers": workers,
                 "queue": {"waiting": admission.waiting, "max_queue": admission.max_queue,
-                          "outstanding": admission.outstanding}}
+                          "outstanding": admission.outstanding},
+                # which of the API server processes answered (gateway.api_servers)
+                "api_server": {"index": self.cfg.api_server_index,
+                               "count": self.cfg.api_server_count}}
 
     def models(self) -> list[dict[str, Any]]:
         data = []

@@ -1,0 +1,87 @@
+"""The per-client rate limit shared by every API server process (gateway.api_servers): the same
+token buckets as gateway.rate_limit.RateLimiter, kept in a file that all K processes map, so a
+client whose connections land on different processes sees one limit, not K.
+
+    take(client) ──blake2b(client), 8 bytes──▶ a run of PROBE slots from its hash
+        ──flock on the file──▶ its slot (or an empty one, or one whose bucket has refilled: the
+        same as no bucket, or else the one idle longest) ──refill, take one──▶ written back
+
+A slot is (key 8 bytes, tokens float64, last refill float64) on CLOCK_MONOTONIC, which every
+process on the host shares. SLOTS (65,536) bounds the file (1.5 MiB): past that many clients
+active at once, the idlest of a run is forgotten, which gives it a full bucket again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+
+SLOTS = 1 << 16
+PROBE = 8
+SLOT = struct.Struct("<8sdd")
+EMPTY = bytes(8)
+
+
+class SharedRateLimiter:
+    def __init__(self, path: str, rate: float, burst: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        size = SLOTS * SLOT.size
+        if os.fstat(self._fd).st_size < size:
+            os.ftruncate(self._fd, size)  # zero-filled: every slot empty
+        self._map = mmap.mmap(self._fd, size)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def take(self, client: str) -> float:
+        """Take one token: 0.0 if allowed, else seconds to wait for the next token."""
+        if not self.enabled:
+            return 0.0
+        key = hashlib.blake2b(client.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        if key == EMPTY:
+            key = b"\x01" + key[1:]
+        first = int.from_bytes(key[:4], "little") % SLOTS
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            now = self.clock()
+            slot, tokens, last = self._find(key, first, now)
+            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+            wait = 0.0
+            if tokens >= 1.0:
+                tokens -= 1.0
+            else:
+                wait = (1.0 - tokens) / self.rate
+            SLOT.pack_into(self._map, slot * SLOT.size, key, tokens, now)
+            return wait
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _find(self, key: bytes, first: int, now: float) -> tuple[int, float, float]:
+        """(slot, tokens, last refill) of this client's bucket; a new bucket is full."""
+        spare, idlest = None, None
+        for i in range(PROBE):
+            slot = (first + i) % SLOTS
+            held, tokens, last = SLOT.unpack_from(self._map, slot * SLOT.size)
+            if held == key:
+                return slot, tokens, last
+            refilled = held == EMPTY or tokens + (now - last) * self.rate >= self.burst
+            if spare is None and refilled:
+                spare = slot
+            if idlest is None or last < idlest[1]:
+                idlest = (slot, last)
+        assert idlest is not None
+        return (spare if spare is not None else idlest[0]), float(self.burst), now
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
