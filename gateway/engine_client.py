@@ -219,7 +219,7 @@ class EngineClient:
                 msg = replace(msg, finish_reason="abort")  # it becomes a metric label: bounded
             self._deliver(worker, msg)
         elif isinstance(msg, m.Heartbeat):
-            worker.stats = msg.stats
+            worker.on_heartbeat(msg.stats)
             worker.draining = msg.draining
             for callback in self.on_stats:
                 callback(worker, msg.stats)

@@ -68,6 +68,9 @@ class WorkerState:
     inflight: set[str] = field(default_factory=set)
     ready: bool = False
     draining: bool = False
+    # Sequences its last heartbeat counted beyond ours (another gateway's, with several API
+    # server processes); see load.
+    others: int = 0
 
     @property
     def name(self) -> str:
@@ -80,8 +83,15 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        """Sequences it holds: the gateway's own count, or the worker's if it reports more."""
-        return max(len(self.inflight), self.stats.running + self.stats.waiting)
+        """Sequences it holds: ours, counted as they are sent and end, plus what its last
+        heartbeat counted beyond ours. Never the heartbeat's total alone: it is up to a beat
+        old, and after a burst it still shows a worker full that has just emptied (the router
+        then sent the next burst elsewhere: two workers served bursts at 0.72 of 2 x one)."""
+        return len(self.inflight) + self.others
+
+    def on_heartbeat(self, stats: m.Stats) -> None:
+        self.stats = stats
+        self.others = max(0, stats.running + stats.waiting - len(self.inflight))
 
 
 @dataclass

@@ -96,3 +96,35 @@ def test_a_forgotten_worker_starts_with_an_empty_index() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError):
         Router("round_robin")
+
+
+def test_a_worker_that_just_emptied_gets_its_share_of_the_next_burst() -> None:
+    """Closed-loop bursts: worker a's last heartbeat, sent while its burst still ran, says 8
+    running; by the time the next burst comes its requests have ended here. Its load is what
+    we hold there now (0), not the beat's 8, so the burst splits evenly."""
+    from gateway.registry import WorkerState
+
+    a, b = (WorkerState(name, W(name).hello, i, 0.0, ready=True) for i, name in
+            enumerate((b"a", b"b")))
+    a.inflight = {f"r{i}" for i in range(8)}
+    a.on_heartbeat(m.Stats(running=8))
+    b.on_heartbeat(m.Stats())
+    a.inflight.clear()  # the burst ended; no beat since
+    router = Router("cache_aware", rng=random.Random(0))
+    for i in range(16):
+        chosen = router.pick([a, b], prompt(100 + i))  # type: ignore[list-item]
+        chosen.inflight.add(f"s{i}")
+    assert (len(a.inflight), len(b.inflight)) == (8, 8)
+
+
+def test_a_heartbeat_counting_more_than_ours_adds_the_difference() -> None:
+    """With several API server processes a worker also runs the others' requests: its beat's
+    count beyond ours stays in its load until the next beat."""
+    from gateway.registry import WorkerState
+
+    w = WorkerState(b"w", W(b"w").hello, 0, 0.0, ready=True)
+    w.inflight = {"ours-1", "ours-2"}
+    w.on_heartbeat(m.Stats(running=5, waiting=1))
+    assert w.load == 6
+    w.inflight.add("ours-3")
+    assert w.load == 7
