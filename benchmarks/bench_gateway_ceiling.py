@@ -11,7 +11,9 @@ keeps 2 x 64 x N streams busy in a closed loop (each asks for 256 tokens with ig
 that reads the chunked body and takes the completion tokens from the final usage chunk, so it
 costs the shared cores as little as a client can. Reported per N:
 
-  tokens/s   completion tokens of the streams that ended inside the window, over the window
+  tokens/s   tokens the client received inside the window, over the window: streams that ended
+             in it by their usage, the ones still running at its edges by the text they had
+             (the simulated tokens are fixed, so a text's length says how many tokens it holds)
   gateway CPU  user + system seconds of the gateway process(es) over the window, per second
   loop lag   kestrel_event_loop_lag_seconds (a timer due every 100 ms) over the window: mean,
              and the share of samples later than 50 ms
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
+import math
 import os
 import re
 import sys
@@ -37,62 +41,97 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_routing import tokenizer_dir  # noqa: E402
-from gateway.api_servers import link_address  # noqa: E402
 from tests.procs import GatewayProc, Proc  # noqa: E402
 
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+class Ids:
+    """The simulated worker's tokens are fixed (FIRST_TOKEN + i mod 64), so the text a stream
+    received tells how many tokens it got: the longest prefix of ids whose decode fits."""
+
+    def __init__(self, tokens: int) -> None:
+        from tokenizers import Tokenizer
+
+        from engine_worker.sim_engine import FIRST_TOKEN
+
+        tok = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
+        ids = [FIRST_TOKEN + i % 64 for i in range(tokens)]
+        self.lengths = [len(tok.decode(ids[:k])) for k in range(tokens + 1)]
+
+    def count(self, body: bytes) -> int:
+        chars = 0
+        for event in body.split(b"\n\n"):
+            if event.startswith(b"data: {"):
+                choices = json.loads(event[6:]).get("choices") or []
+                chars += sum(len(c.get("text") or "") for c in choices)
+        return bisect.bisect_right(self.lengths, chars) - 1
+
+
 @dataclass
 class Window:
+    """Tokens the client received between t0 and t1, over every stream."""
+
     tokens: int = 0
-    streams: int = 0
+    streams: int = 0  # ended inside the window
     errors: int = 0
+    open: bool = False  # between t0 and t1
 
 
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    """The body of a chunked response; only its tail matters (the usage chunk)."""
-    tail = b""
-    while True:
-        size = int((await reader.readline()).split(b";")[0], 16)
-        if size == 0:
-            await reader.readline()
-            return tail
-        data = await reader.readexactly(size + 2)
-        tail = (tail + data)[-4096:]
+class User:
+    """One closed-loop client connection: a stream, then the next, until `end`."""
 
+    def __init__(self, ids: Ids, out: Window) -> None:
+        self.ids, self.out = ids, out
+        self.body = bytearray()  # the stream in progress, so far
+        self.base = 0  # its tokens at t0 (counted before the window)
+        self.busy = False
 
-async def stream_user(host: str, port: int, body: bytes, end: float, window: tuple[float, float],
-                      out: Window) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    try:
-        while time.monotonic() < end:
-            writer.write(head + body)
-            status = await reader.readline()
-            chunked, length = False, 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                lower = line.lower()
-                chunked |= lower.startswith(b"transfer-encoding: chunked")
-                if lower.startswith(b"content-length:"):
-                    length = int(lower.split(b":")[1])
-            if not chunked:  # an error answer (429...): read it, count it, go on
-                await reader.readexactly(length)
-                out.errors += 1
-                await asyncio.sleep(0.05)
-                continue
-            tail = await _read_chunked(reader)
-            found = USAGE.findall(tail)
-            now = time.monotonic()
-            if b" 200 " not in status or not found or b'"error"' in tail:
-                out.errors += 1
-            elif window[0] <= now <= window[1]:
-                out.tokens += int(found[-1])
-                out.streams += 1
-    finally:
-        writer.close()
+    def snapshot(self, opening: bool) -> None:
+        """At t0 (opening): what the stream in progress already has is not the window's. At t1:
+        what it has by now is."""
+        got = self.ids.count(bytes(self.body)) if self.busy else 0
+        if opening:
+            self.base = got
+        else:
+            self.out.tokens += got - self.base
+
+    async def run(self, host: str, port: int, body: bytes, end: float) -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                "Content-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        try:
+            while time.monotonic() < end:
+                writer.write(head + body)
+                status = await reader.readline()
+                chunked, length = False, 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    lower = line.lower()
+                    chunked |= lower.startswith(b"transfer-encoding: chunked")
+                    if lower.startswith(b"content-length:"):
+                        length = int(lower.split(b":")[1])
+                if not chunked:  # an error answer (429...): read it, count it, go on
+                    await reader.readexactly(length)
+                    self.out.errors += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                self.body.clear()
+                self.busy = True
+                while size := int((await reader.readline()).split(b";")[0], 16):
+                    self.body += (await reader.readexactly(size + 2))[:-2]
+                await reader.readline()
+                self.busy = False
+                found = USAGE.findall(self.body[-4096:])
+                if b" 200 " not in status or not found or b'"error"' in self.body:
+                    self.out.errors += 1
+                elif self.out.open:
+                    self.out.tokens += int(found[-1]) - self.base
+                    self.out.streams += 1
+                self.base = 0
+        finally:
+            writer.close()
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -112,8 +151,13 @@ def gateway_pids(gw: GatewayProc) -> list[int]:
     return pids
 
 
-def loop_lag(text: str) -> tuple[float, float, float]:
-    """(sum, count, samples <= 50 ms) of the lag histogram, summed over processes' lines."""
+def loop_lag(gw: GatewayProc) -> tuple[float, float, float]:
+    """(sum, count, samples <= 50 ms) of the lag histogram of the process that answers (a
+    gateway far behind may take many seconds to answer at all)."""
+    try:
+        text = httpx.get(gw.base_url + "/metrics", timeout=120).text
+    except httpx.HTTPError:
+        return math.nan, math.nan, math.nan
     total = count = under = 0.0
     for line in text.splitlines():
         if line.startswith("kestrel_event_loop_lag_seconds_sum"):
@@ -130,7 +174,11 @@ def start(n: int, seqs: int, gateways: int) -> tuple[GatewayProc, list[Proc]]:
     if gateways > 1:
         flags += ["--api-server-count", str(gateways)]
     gw = GatewayProc(*flags).start()
-    links = ",".join(link_address(gw.engine_address, i) for i in range(gateways))
+    links = gw.engine_address
+    if gateways > 1:  # imported here: the bench also runs against builds without it
+        from gateway.api_servers import link_address
+
+        links = ",".join(link_address(gw.engine_address, i) for i in range(gateways))
     workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
                      str(tokenizer_dir()), "--gateway-address", links,
                      "--log-level", "WARNING", "--max-num-seqs", str(seqs), "--step-base-ms", "0",
@@ -158,20 +206,27 @@ def run(n: int, seqs: int, tokens: int, seconds: float, gateways: int) -> dict[s
                            "stream_options": {"include_usage": True}}).encode()
         model = httpx.get(gw.base_url + "/v1/models", timeout=5).json()["data"][0]["id"]
         body = body.replace(b'"model": ""', f'"model": "{model}"'.encode())
-        out = Window()
-        warm = 3.0
-        t0 = time.monotonic()
-        window = (t0 + warm, t0 + warm + seconds)
+        out, ids = Window(), Ids(tokens)
         pids = gateway_pids(gw)
 
         async def measure() -> tuple[float, float, tuple[float, float, float]]:
-            users = [asyncio.create_task(stream_user("127.0.0.1", gw.port, body, window[1], window,
-                                                     out)) for _ in range(2 * seqs * n)]
-            await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-            cpu0, lag0 = cpu_seconds(pids), loop_lag(gw.metrics())
-            await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-            cpu1, lag1 = cpu_seconds(pids), loop_lag(gw.metrics())
-            await asyncio.gather(*users, return_exceptions=True)
+            users = [User(ids, out) for _ in range(2 * seqs * n)]
+            t0 = time.monotonic() + 3.0  # warm up
+            t1 = t0 + seconds
+            tasks = [asyncio.create_task(u.run("127.0.0.1", gw.port, body, t1)) for u in users]
+            await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+            for u in users:
+                u.snapshot(opening=True)
+            out.open = True
+            cpu0, lag0 = cpu_seconds(pids), loop_lag(gw)
+            await asyncio.sleep(max(0.0, t1 - time.monotonic()))
+            out.open = False
+            for u in users:
+                u.snapshot(opening=False)
+            cpu1, lag1 = cpu_seconds(pids), loop_lag(gw)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             return cpu0, cpu1, tuple(b - a for a, b in zip(lag0, lag1, strict=True))
 
         cpu0, cpu1, (lag_sum, lag_count, lag_under) = asyncio.run(measure())
