@@ -11,6 +11,7 @@ Printed per phase: outcomes, 429 head latency p50/p99, admitted requests that en
 and the admission gauges. Run from the repository root:
 
     python benchmarks/bench_overload.py [--model DIR] [--burst 400] [--seconds 60]
+                                        [--api-server-count 2]
 """
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ def wait_idle(base: str, timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
+def links(gw: GatewayProc, count: int) -> str:
+    """The engine link address(es) a worker joins: one per gateway process."""
+    if count == 1:
+        return gw.engine_address
+    from gateway.api_servers import link_address
+
+    return ",".join(link_address(gw.engine_address, i) for i in range(count))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(Path.home() / ".cache/kestrel/tiny-llama-seed0"))
@@ -119,12 +129,17 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip", default="", help="comma list of phases to skip: burst,poisson")
+    p.add_argument("--api-server-count", type=int, default=1, help="gateway processes")
     args = p.parse_args()
-    with GatewayProc("--default-timeout-s", str(args.deadline)) as gw, \
-            WorkerProc(args.model, gw.engine_address, "--threads", str(args.threads),
+    count = ["--api-server-count", str(args.api_server_count)] if args.api_server_count > 1 else []
+    with GatewayProc("--default-timeout-s", str(args.deadline), *count) as gw, \
+            WorkerProc(args.model, links(gw, args.api_server_count), "--threads", str(args.threads),
                        "--max-num-seqs", str(args.max_num_seqs),
                        env={"KESTREL_LOG_LEVEL": "WARNING"}) as wk:
         gw.wait_ready(timeout=300)
+        while not all(httpx.get(gw.base_url + "/health", timeout=5).json()["workers"]
+                      for _ in range(8 * args.api_server_count)):
+            time.sleep(0.2)  # every gateway process has the worker
         assert gw.popen is not None and wk.popen is not None
         url = gw.base_url + "/v1/completions"
         rss0 = (rss_mib(gw.popen.pid), rss_mib(wk.popen.pid))
