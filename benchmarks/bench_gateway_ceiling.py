@@ -40,6 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import bench_routing  # noqa: E402
 from benchmarks.bench_routing import tokenizer_dir  # noqa: E402
 from tests.procs import GatewayProc, Proc  # noqa: E402
 
@@ -170,32 +171,9 @@ def loop_lag(gw: GatewayProc) -> tuple[float, float, float]:
 
 
 def start(n: int, seqs: int, gateways: int) -> tuple[GatewayProc, list[Proc]]:
-    flags = ["--max-queue", "4096", "--log-level", "WARNING"]
-    if gateways > 1:
-        flags += ["--api-server-count", str(gateways)]
-    gw = GatewayProc(*flags).start()
-    links = gw.engine_address
-    if gateways > 1:  # imported here: the bench also runs against builds without it
-        from gateway.api_servers import link_address
-
-        links = ",".join(link_address(gw.engine_address, i) for i in range(gateways))
-    workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
-                     str(tokenizer_dir()), "--gateway-address", links,
-                     "--log-level", "WARNING", "--max-num-seqs", str(seqs), "--step-base-ms", "0",
-                     "--decode-seq-ms", "0", "--prefill-token-ms", "0"]).start()
-               for _ in range(n)]
-    deadline = time.monotonic() + 90
-    while True:
-        try:  # each new connection may land on any of the processes: all must see n
-            if all(len(httpx.get(gw.base_url + "/health", timeout=2).json()["workers"]) == n
-                   for _ in range(4 * gateways)):
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(gw.output()[-2000:])
-        time.sleep(0.2)
-    return gw, workers
+    flags = ["--max-num-seqs", str(seqs), "--step-base-ms", "0", "--decode-seq-ms", "0",
+             "--prefill-token-ms", "0"]
+    return bench_routing.start(n, "cache_aware", flags, ("--max-queue", "4096"), gateways)
 
 
 def run(n: int, seqs: int, tokens: int, seconds: float, gateways: int) -> dict[str, float]:

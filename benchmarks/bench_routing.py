@@ -58,17 +58,25 @@ def tokenizer_dir() -> Path:
     return tiny if (tiny / "tokenizer.json").is_file() else resolve_checkpoint("default", cache)
 
 
-def start(n: int, routing: str, worker_flags: list[str]) -> tuple[GatewayProc, list[Proc]]:
+def start(n: int, routing: str, worker_flags: list[str], gateway_flags: tuple[str, ...] = (),
+          gateways: int = 1) -> tuple[GatewayProc, list[Proc]]:
+    """A gateway (`gateways` API server processes) and n simulated workers that joined it."""
+    count = ("--api-server-count", str(gateways)) if gateways > 1 else ()
     gw = GatewayProc("--routing", routing, "--max-queue", "1024", "--max-prompt-chars", "20000",
-                     "--log-level", "WARNING").start()
+                     "--log-level", "WARNING", *count, *gateway_flags).start()
+    links = gw.engine_address
+    if gateways > 1:  # imported here: the benchmarks also run against builds without it
+        from gateway.api_servers import link_address
+
+        links = ",".join(link_address(gw.engine_address, i) for i in range(gateways))
     workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
-                     str(tokenizer_dir()), "--gateway-address", gw.engine_address,
+                     str(tokenizer_dir()), "--gateway-address", links,
                      "--log-level", "WARNING", *worker_flags]).start() for _ in range(n)]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while True:
-        try:
-            health = httpx.get(gw.base_url + "/health", timeout=2).json()
-            if len(health["workers"]) == n:
+        try:  # each new connection may land on any of the processes: all must see n
+            if all(len(httpx.get(gw.base_url + "/health", timeout=2).json()["workers"]) == n
+                   for _ in range(4 * gateways)):
                 break
         except httpx.HTTPError:
             pass

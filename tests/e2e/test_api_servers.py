@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks import bench_routing
 from gateway.api_servers import link_address
-from tests.e2e.test_link_failover import sources_connected, wait_for
+from tests.e2e.test_link_failover import sources_connected
 from tests.procs import GatewayProc, Proc
 
 if sys.platform != "linux":
@@ -38,17 +39,10 @@ def health_by_process(gw: GatewayProc, tries: int = 24) -> dict[int, dict]:
 
 
 def start(*flags: str) -> tuple[GatewayProc, Proc]:
-    from benchmarks.bench_routing import tokenizer_dir
-
-    gw = GatewayProc("--api-server-count", "2", *flags).start()
-    gw.wait_live()
-    links = ",".join(link_address(gw.engine_address, i) for i in range(2))
-    worker = Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
-                   str(tokenizer_dir()), "--gateway-address", links, "--max-num-seqs", "8",
-                   "--step-base-ms", "5"]).start()
-    wait_for(lambda: len(health_by_process(gw)) == 2 and all(
-        len(h["workers"]) == 1 for h in health_by_process(gw).values()), 60, "both processes")
-    return gw, worker
+    """Two gateway processes and a simulated worker of 8 sequences that joined both."""
+    gw, workers = bench_routing.start(1, "cache_aware", ["--max-num-seqs", "8",
+                                                         "--step-base-ms", "5"], flags, 2)
+    return gw, workers[0]
 
 
 def test_two_processes_share_the_port_and_the_worker_and_stop_together() -> None:

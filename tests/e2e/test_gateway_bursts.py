@@ -8,31 +8,23 @@ half of such a burst was refused with 429 server_busy."""
 from __future__ import annotations
 
 import asyncio
-import sys
 
-from benchmarks.bench_routing import SHAPE_TOKENS, _streamed, tokenizer_dir
-from tests.e2e.test_link_failover import health, wait_for
-from tests.procs import GatewayProc, Proc
+from benchmarks import bench_routing
+from benchmarks.bench_routing import SHAPE_TOKENS, _streamed
+
+
+async def burst(port: int, size: int) -> list[int]:
+    return await asyncio.gather(*(_streamed(port, f"burst {i}") for i in range(size)))
 
 
 def test_a_burst_of_128_short_completions_is_served_whole() -> None:
-    with GatewayProc("--max-queue", "256", "--default-timeout-s", "120") as gw:
-        gw.wait_live()
-        workers = [Proc([sys.executable, "-m", "engine_worker.simulated", "--model",
-                         str(tokenizer_dir()), "--gateway-address", gw.engine_address,
-                         "--max-num-seqs", "16", "--step-base-ms", "10"]).start()
-                   for _ in range(2)]
-        try:
-            wait_for(lambda: len(health(gw)["workers"]) == 2, 60, "two workers")
-
-            async def burst(size: int) -> list[int]:
-                return await asyncio.gather(*(_streamed(gw.port, f"burst {i}")
-                                              for i in range(size)))
-
-            # Cold, before any drain rate is measured, the queue takes one round of slots (32):
-            # a first burst within that lets the gateway measure how fast the workers drain.
-            assert asyncio.run(burst(64)) == [SHAPE_TOKENS] * 64
-            assert asyncio.run(burst(128)) == [SHAPE_TOKENS] * 128
-        finally:
-            for w in workers:
-                w.stop()
+    flags = ["--max-num-seqs", "16", "--step-base-ms", "10"]
+    gw, workers = bench_routing.start(2, "cache_aware", flags,
+                                      ("--max-queue", "256", "--default-timeout-s", "120"))
+    try:
+        # Cold, before any drain rate is measured, the queue takes one round of slots (32): a
+        # first burst within that lets the gateway measure how fast the workers drain.
+        assert asyncio.run(burst(gw.port, 64)) == [SHAPE_TOKENS] * 64
+        assert asyncio.run(burst(gw.port, 128)) == [SHAPE_TOKENS] * 128
+    finally:
+        bench_routing.stop(gw, workers)
