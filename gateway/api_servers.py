@@ -72,9 +72,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Looked up before any fork: the child, between fork and exec, only makes the call.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
 def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Children:

@@ -1,7 +1,7 @@
 """Several gateway processes on one port (--api-server-count 2), end to end: real processes, real
 ZeroMQ, a simulated worker joined to both engine links. Every process serves (the kernel spreads
 new connections over them), the rate limit is one limit across them, a worker's capacity is split
-between them, and SIGTERM to process 0 stops them all."""
+between them, and SIGTERM to process 0 stops them all (kill -9 of process 0 too)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import bench_routing
 from gateway.api_servers import link_address
-from tests.e2e.test_link_failover import sources_connected
+from tests.e2e.test_link_failover import sources_connected, wait_for
 from tests.procs import GatewayProc, Proc
 
 if sys.platform != "linux":
@@ -85,6 +85,12 @@ def test_the_rate_limit_is_one_limit_across_the_processes() -> None:
         statuses = [httpx.post(gw.base_url + "/v1/completions", timeout=30, json={
             "prompt": "limited", "max_tokens": 1}).status_code for _ in range(16)]
         assert sorted(statuses) == [200] * 4 + [429] * 12
+        # Process 0 killed outright: the other one does not go on serving alone.
+        assert gw.popen is not None
+        kids = children(gw.popen.pid)
+        gw.kill()
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in kids), 30,
+                 "the other process to exit with process 0")
     finally:
         worker.stop()
         gw.stop()
