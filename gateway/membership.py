@@ -5,7 +5,8 @@
         and a Welcome, or a refusal (logged once a minute per peer and reason)
     any other frame from an unknown peer ──▶ dropped undecoded, at most one Reset per peer per
         RESET_INTERVAL_S (a worker of a previous gateway life says Hello again)
-    silent for heartbeat_timeout_s, or its connection closed (probed at each disconnect event)
+    silent for heartbeat_timeout_s while the gateway listened (a time its own loop was held
+        does not count), or its connection closed (probed at each disconnect event)
         ──▶ on_lost(worker, reason): gateway.engine_client fails or moves its requests
 """
 
@@ -116,9 +117,19 @@ class Membership:
                 await asyncio.sleep(0.1)
 
     async def liveness_loop(self) -> None:
+        interval = self.heartbeat_timeout_s / 10  # detected within 1.1x the timeout
         while True:
-            await asyncio.sleep(self.heartbeat_timeout_s / 10)  # detected within 1.1x the timeout
+            before = time.monotonic()
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            deaf = now - before - interval
+            if deaf > interval:
+                # The gateway's own loop was held (a thread holding the GIL, a long callback):
+                # the heartbeats of that time wait unread in the socket. A silence the gateway
+                # could not hear does not count; judge again once the receive loop has read.
+                for worker in self.registry.workers.values():
+                    worker.last_seen = min(now, worker.last_seen + deaf)
+                continue
             for worker in list(self.registry.workers.values()):
                 if worker.ready and now - worker.last_seen > self.heartbeat_timeout_s:
                     self.on_lost(worker, f"silent for {now - worker.last_seen:.1f} s")

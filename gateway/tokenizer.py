@@ -32,6 +32,12 @@ from gateway.chat_template import (  # noqa: F401 - the errors are this module's
 )
 from protocol.messages import TokenizerInfo
 
+# The longest chat template compiled. Those of the models we serve are 1-3 KB; a template of
+# dense `if` blocks costs ~20 ms of CPU per KB to compile (Ice Lake), part of it in one call that
+# holds the GIL: a 1.2 MB one took 23 s and ~250 MB.
+# Past the limit, the model serves completions but not chat.
+MAX_TEMPLATE_CHARS = 128 * 1024
+
 
 class GatewayTokenizer:
     """One model's tokenizer, built once from the TokenizerInfo its workers announce."""
@@ -60,6 +66,10 @@ class GatewayTokenizer:
                    if value is not None}
         if info.chat_template is None:
             self._template_error = "this model has no chat template; use /v1/completions"
+        elif len(info.chat_template) > MAX_TEMPLATE_CHARS:
+            self._template_error = (
+                f"this model's chat template is {len(info.chat_template)} characters, over the "
+                f"gateway's limit of {MAX_TEMPLATE_CHARS}; use /v1/completions")
         else:
             try:
                 self._template = ChatTemplate(info.chat_template, special)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from protocol import codec
 from protocol import messages as m
 from tests.e2e.link_peers import FakeWorker, tiny_hello
 from tests.procs import GatewayProc, WorkerProc
@@ -133,3 +134,58 @@ def test_a_client_flooding_huge_grammars_gets_429s_and_others_are_served(
         assert busy and all(r.json()["error"]["code"] == "server_busy" for r in busy)
         assert all("retry-after" in r.headers for r in busy)
         assert any(r.status_code == 200 for r in codes)  # the flood's own first one compiles
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_huge_hello_stalls_no_stream_and_drops_no_worker(tiny_model_dir: Path) -> None:
+    """Issue 23: a Hello with a 14 MB tokenizer and template for a new model got a healthy
+    worker dropped ("silent for 2.1 s") and cost the gateway ~118 s of CPU and 2.4 GB: the
+    template was compiled whatever its size. Now a template over MAX_TEMPLATE_CHARS is not
+    compiled (that model's chat is a 400), and a stall of the gateway's own loop is not counted
+    as a worker's silence. Meanwhile a stream from the real worker keeps its pace."""
+    with GatewayProc() as gw, WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1"):
+        gw.wait_ready()
+        assert gw.popen is not None
+        rss_before = rss_mb(gw.popen.pid)
+        info = tiny_hello(tiny_model_dir).tokenizer
+        template = "{% if messages %}{{ messages[0].content }}{% endif %}\n" * 220_000
+        big = tiny_hello(tiny_model_dir, model_id="big",
+                         tokenizer=dataclasses.replace(info, chat_template=template))
+        assert 12e6 < len(codec.encode(big)[1]) < codec.MAX_FRAME_BYTES
+        gaps: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=60, json={
+                    "model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 200,
+                    "ignore_eos": True, "stream": True}) as resp:
+                last = time.monotonic()
+                for _ in resp.iter_lines():
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream)
+            time.sleep(0.5)
+            peer = FakeWorker(gw.engine_address)
+            try:
+                start = time.monotonic()
+                welcome = peer.hello(big, timeout_s=30)
+                assert welcome is not None and welcome.accepted, welcome
+                assert time.monotonic() - start < 10
+                streaming.result(timeout=60)
+                resp = chat(gw.base_url, "big")
+            finally:
+                peer.close()
+        assert resp.status_code == 400, resp.text
+        assert "over the gateway's limit" in resp.json()["error"]["message"]
+        assert max(gaps) < 1.0, max(gaps)
+        assert "silent for" not in gw.output(), gw.output()[-2000:]
+        assert chat(gw.base_url, tiny_model_dir.name).status_code == 200
+        assert rss_mb(gw.popen.pid) - rss_before < 400

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tokenizer import ChatTemplateError, GatewayTokenizer
+from gateway.tokenizer import MAX_TEMPLATE_CHARS, ChatTemplateError, GatewayTokenizer
 from protocol.messages import TokenizerInfo
 
 CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
@@ -136,6 +136,19 @@ def test_template_that_does_not_compile_only_breaks_chat(smollm2_info: Tokenizer
     tok = GatewayTokenizer.from_info(dataclasses.replace(smollm2_info, chat_template="{% for %}"))
     with pytest.raises(ChatTemplateError, match="does not compile"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_template_over_the_limit_is_never_compiled_and_only_breaks_chat(
+        smollm2_info: TokenizerInfo) -> None:
+    line = "{{ messages[0].content }}\n"
+    fits = _with_template(smollm2_info, line * (MAX_TEMPLATE_CHARS // len(line)))
+    assert fits.has_chat_template
+    start = time.monotonic()
+    tok = _with_template(smollm2_info, "{% if x %}{% endif %}" * 500_000)  # 10 MB: minutes
+    assert time.monotonic() - start < 5
+    with pytest.raises(ChatTemplateError, match="over the gateway's limit"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.encode("hi") == [6004]
 
 
 def _with_template(info: TokenizerInfo, template: str) -> GatewayTokenizer:
