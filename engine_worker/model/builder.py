@@ -28,6 +28,7 @@ import torch
 from engine_worker import int_dot
 from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.config import ModelConfig
+from engine_worker.model.ggml_types import forget_tensors
 from engine_worker.model.gguf_native import legacy_only, load_gguf_model
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
@@ -92,6 +93,7 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
                                 max_positions=max_positions, dense_dtype=dense_dtype,
                                 dense_min_rows=dense_min_rows, native_q8=native_q8,
                                 int_dot_rows=int_dot_rows, int_dot_all=int_dot_all)
+        forget_tensors()  # the file's map: nothing reads it after the load
         size = weight_bytes(model)
         return BuiltModel(model, QuantReport("gguf", size, size), paths, dense_min_rows)
     if dense_min_rows == AUTO:  # the INT4 mode's head copy is bfloat16: only if native

@@ -23,7 +23,10 @@ quantization step). Nothing is re-quantized and no float copy of a quantized ten
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,6 +171,24 @@ class Blocks:
             return self.raw
         w = int_dot.dequantize(self.fmt, self.raw, self.n, self.k)
         return w.numpy().astype(np.float32)
+
+
+def tensors(gguf_path: Path) -> dict[str, Any]:
+    """The file's GGUFReader tensors by name. Parsing a file takes seconds (gguf-py reads the
+    tokenizer's arrays field by field), and a start reads it three times (the file's types, the
+    path choice, the load): parsed once, kept until `forget_tensors()` unmaps it."""
+    st = os.stat(gguf_path)
+    return _tensors(str(gguf_path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _tensors(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+forget_tensors = _tensors.cache_clear
 
 
 def read_tensor(t: Any) -> Blocks:

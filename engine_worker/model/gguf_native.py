@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from engine_worker import int_dot
+from engine_worker.model import ggml_types
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.ggml_types import Blocks, cat, read_tensor
 from engine_worker.model.int4 import Int4GroupLinear
@@ -161,14 +162,11 @@ def load_gguf_model(
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
     packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
     `native_q8` (loaded by the caller: quant_group.load_group_gemv). Logs progress."""
-    import gguf
-
     device = torch.device(device)
     if use_kernel is None:
         use_kernel = device.type == "cpu"
     t0 = time.monotonic()
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = ggml_types.tensors(gguf_path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
 
@@ -266,11 +264,8 @@ def _layer_parts(tensors: dict[str, Any], i: int, cfg: ModelConfig | None = None
 def layer_blocks(gguf_path: Path, i: int = 0) -> list[Blocks]:
     """Layer i's matmuls, rows as stored, fused where they share a format (for timing them:
     engine_worker/path_choice)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
     out = []
-    for blocks, _ in _layer_parts({t.name: t for t in reader.tensors}, i).values():
+    for blocks, _ in _layer_parts(ggml_types.tensors(gguf_path), i).values():
         out += [cat(blocks)] if len({b.fmt for b in blocks}) == 1 else blocks
     return out
 
@@ -282,7 +277,7 @@ def legacy_only(gguf_path: Path) -> bool:
 
     qt = gguf.GGMLQuantizationType
     plain = {qt.F32, qt.F16, qt.BF16, qt.Q4_0, qt.Q4_1, qt.Q8_0}
-    return all(t.tensor_type in plain for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    return all(t.tensor_type in plain for t in ggml_types.tensors(gguf_path).values())
 
 
 def _float(t: Any) -> torch.Tensor:
