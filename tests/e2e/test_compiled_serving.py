@@ -16,7 +16,7 @@ from tests.procs import GatewayProc, WorkerProc
 pytestmark = pytest.mark.skipif(not compiler_available(),
                                 reason="no C++ compiler: Inductor cannot build CPU kernels")
 
-PROMPTS = ["Tell me a story about a fox.", "List three colours.", "What is 2 + 2?"]
+PROMPTS = ["Tell me a story about a fox.", "What is 2 + 2?"]
 
 
 def _answers(gw: GatewayProc) -> list[str]:
@@ -38,10 +38,11 @@ def test_compiled_worker_answers_like_the_eager_one(tiny_model_dir: Path, tmp_pa
         gw.wait_ready()
         want = _answers(gw)
     # each bucket compiles on first use, on the engine loop: seconds to a minute per bucket on
-    # a shared 2-core machine, longer than the gateway's default 30 s request deadline
+    # a shared 2-core machine, longer than the gateway's default 30 s request deadline. Two
+    # sequences at most: batch buckets 1 and 2 only (each bucket is one compile)
     with GatewayProc("--default-timeout-s", "300") as gw, \
             WorkerProc(tiny_model_dir, gw.engine_address, "--compile", "decode",
-                                         "--max-num-seqs", "4", "--cache-dir",
+                                         "--max-num-seqs", "2", "--cache-dir",
                                          str(tmp_path)) as wk:
         gw.wait_ready()
         got = _answers(gw)
