@@ -80,13 +80,18 @@ class Pool:
         self.busy += 1
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        fut.add_done_callback(lambda _f: self._done(client))
+        fut.add_done_callback(lambda f: self._done(f, client))
         self._jobs.put((loop, fut, fn, args))
         # Shielded: a caller that gives up (its client left) does not free the place of a job
         # that still runs; the place is freed when the job ends.
         return await asyncio.shield(fut)
 
-    def _done(self, client: str | None) -> None:
+    def _done(self, fut: asyncio.Future, client: str | None) -> None:
+        if not fut.cancelled():
+            # Read here: when the caller gave up (its client left), asyncio.shield drops its
+            # own callback on the job, and an error the job ends with would be logged at ERROR
+            # with a traceback as "Future exception was never retrieved".
+            fut.exception()
         self.busy -= 1
         if self.per_client and client is not None:
             left = self.by_client.pop(client, 1) - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -82,6 +83,32 @@ def test_a_caller_that_gives_up_keeps_the_room_until_the_job_ends() -> None:
         assert pool.busy == 0
 
     asyncio.run(main())
+
+
+def test_an_error_of_a_job_whose_caller_gave_up_is_not_logged_as_never_retrieved() -> None:
+    pool = Pool("test", threads=1, waiting=0)
+    gate = threading.Event()
+    unhandled: list[dict] = []
+
+    def fails() -> None:
+        gate.wait()
+        raise ValueError("the template failed")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: unhandled.append(ctx))
+        job = asyncio.create_task(pool.run(fails))
+        await asyncio.sleep(0.02)
+        job.cancel()  # its client left while the template rendered
+        gate.set()
+        for _ in range(100):
+            if pool.busy == 0:
+                break
+            await asyncio.sleep(0.01)
+        await pool.run(lambda: None)  # the thread lets go of the failed job's future
+
+    asyncio.run(main())
+    gc.collect()  # "never retrieved" is reported when the job's future is collected
+    assert unhandled == []
 
 
 def test_the_threads_are_daemons_so_a_stuck_job_never_blocks_exit() -> None:
