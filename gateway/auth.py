@@ -44,11 +44,15 @@ class Auth:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return key.strip()
 
+    @staticmethod
+    def client(request: Request, key: str | None) -> str:
+        """Who a client is for its limits: its key, else its address."""
+        return key or (request.client.host if request.client else "unknown")
+
     def guard(self, request: Request) -> str | None:
         """The key, then the rate limit; returns the caller's key (None: keys are off)."""
         key = self.check_key(request)
-        client = key or (request.client.host if request.client else "unknown")
-        wait = self.limiter.take(client)
+        wait = self.limiter.take(self.client(request, key))
         if wait > 0:
             if self.rejections is not None:
                 self.rejections.labels("rate_limit").inc()

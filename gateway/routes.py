@@ -2,7 +2,8 @@
 
 One way through, whatever the route (`run_route`):
 
-    auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ intake.read (413/408/400/422)
+    auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ heavy.hold (429: a client's large
+    bodies, a few at once) ──▶ intake.read (413/408/400/422)
     ──▶ admit.reserve (429) ──▶ intake.prepare (tokens, in a thread) ──▶ admit.check_fit
     ──▶ admit.start (wait for the slot: 504; to a worker: 503) ──▶ the route's formatter,
         streamed (SSE) or collected ──▶ accounting.record, on every exit
@@ -42,12 +43,13 @@ async def run_route(request: Request, route: str) -> Response:
     try:
         key = state.auth.guard(request)
         state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
-        draft = await state.intake.read(route, request, arrival)
-        ticket = state.admit.reserve(draft.deadline)  # the 429 decision, before tokenizing
-        # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
-        # client that leaves meanwhile gives it back at once.
-        prepared = await until_disconnect(request.receive, state.intake.prepare(draft, key),
-                                          _nothing)
+        with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
+            draft = await state.intake.read(route, request, arrival)
+            ticket = state.admit.reserve(draft.deadline)  # the 429 decision, before tokenizing
+            # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
+            # client that leaves meanwhile gives it back at once.
+            prepared = await until_disconnect(request.receive, state.intake.prepare(draft, key),
+                                              _nothing)
         if prepared is None:
             ticket.cancel()
             record(route, 499, None, arrival, request_id, "aborted")

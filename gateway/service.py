@@ -1,7 +1,8 @@
 """The gateway's composition root: builds its parts once and wires them; no request logic.
 
-    auth (keys, rate limit) ──▶ admit.precheck ──▶ intake.read ──▶ admit.reserve ──▶
-    intake.prepare ──▶ admit.check_fit / admit.start ──▶ formatters (routes) ──▶ accounting.record
+    auth (keys, rate limit) ──▶ admit.precheck ──▶ heavy (large bodies) ──▶ intake.read ──▶
+    admit.reserve ──▶ intake.prepare ──▶ admit.check_fit / admit.start ──▶ formatters (routes)
+    ──▶ accounting.record
 
 The request path itself reads in gateway.routes. Here: the shutdown drain, readiness, and what
 /health and /v1/models show.
@@ -18,6 +19,7 @@ from gateway.admit import Admitter
 from gateway.auth import Auth
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
+from gateway.heavy import Heavy
 from gateway.intake import Intake
 from gateway.metrics import Metrics
 from gateway.rate_limit import RateLimiter
@@ -38,6 +40,7 @@ class GatewayState:
         limiter = SharedRateLimiter(cfg.shared_state, cfg.rate_limit_rps, cfg.rate_limit_burst) \
             if cfg.shared_state else RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.auth = Auth(cfg.keys(), limiter, self.metrics.rejections)
+        self.heavy = Heavy(rejections=self.metrics.rejections)
         self.intake = Intake(cfg, self.client, service_times)
         self.admit = Admitter(cfg, self.client, service_times, self.accounting,
                               self.metrics.rejections)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -189,3 +190,40 @@ def test_a_huge_hello_stalls_no_stream_and_drops_no_worker(tiny_model_dir: Path)
         assert "silent for" not in gw.output(), gw.output()[-2000:]
         assert chat(gw.base_url, tiny_model_dir.name).status_code == 200
         assert rss_mb(gw.popen.pid) - rss_before < 400
+
+
+def test_a_clients_third_large_body_is_refused_before_it_is_read(tiny_model_dir: Path) -> None:
+    """Issue 23: one client sending 600 KB schemas in a loop held the gateway's loop with JSON
+    parsing (in calls that hold the GIL) and made others wait seconds. A client has two
+    requests with bodies over 64 KB in intake at once; a third is refused from its headers."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 200000\r\n\r\n{")
+    big = b'{"prompt": "hi", "max_tokens": 2}' + b" " * 100_000  # valid JSON, 100 KB
+    with GatewayProc() as gw, WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1"):
+        gw.wait_ready()
+        holders = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(2)]
+        try:
+            for s in holders:
+                s.sendall(head)  # their bodies are still on the way
+            time.sleep(0.5)
+            with socket.create_connection(("127.0.0.1", gw.port)) as third:
+                third.sendall(head)
+                third.settimeout(5)
+                got = third.recv(4096)
+            assert got.startswith(b"HTTP/1.1 429"), got[:300]
+            assert b"bodies over 64 KB" in got and b"server_busy" in got
+            other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+            with other:  # another client is served meanwhile, large body and all
+                resp = other.post(gw.base_url + "/v1/completions", content=big, timeout=30,
+                                  headers={"Content-Type": "application/json"})
+            assert resp.status_code == 200, resp.text
+        finally:
+            for s in holders:
+                s.close()
+        for _ in range(50):  # the holders' shares come back when their connections go
+            resp = httpx.post(gw.base_url + "/v1/completions", content=big, timeout=30,
+                              headers={"Content-Type": "application/json"})
+            if resp.status_code != 429:
+                break
+            time.sleep(0.1)
+        assert resp.status_code == 200, resp.text
