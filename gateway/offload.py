@@ -1,16 +1,20 @@
 """Blocking work the event loop hands off: one place, a bounded pool per kind of work.
 
-    kind       threads  waiting  per client  what
-    tokenize   2        64       -           tokenizing, chat templates (gateway/intake.py)
-    grammar    1        8        2           compiling a structured-output grammar (structured;
-                                             a schema compiles once: gateway/grammar_cache.py)
-    hello      1        4        -           vetting a worker's Hello: its tokenizer (hello)
+    kind       threads  waiting  per client  running per key  what
+    tokenize   3        64       -           2 (a model)      tokenizing, chat templates (intake)
+    grammar    1        8        2           -                compiling a structured-output
+                                                              grammar (structured; a schema
+                                                              compiles once: grammar_cache)
+    hello      1        4        -           -                vetting a worker's Hello (hello)
 
-`await run(kind, fn, *args, client=key)` runs `fn(*args)` on that kind's threads. A job past its
-kind's room (running + waiting), or past a client's share of an expensive kind, is refused at
+`await run(kind, fn, *args, client=c, key=k)` runs `fn(*args)` on that kind's threads. A job past
+its kind's room (running + waiting), or past a client's share of an expensive kind, is refused at
 once with Busy (a 429 for a request; a Hello is asked again later), so a flood of one kind never
 waits in front of another, and one client cannot fill a kind for the rest. Each kind has its own
-threads, so a grammar flood leaves tokenizing free and a slow Hello delays no request.
+threads, so a grammar flood leaves tokenizing free and a slow Hello delays no request. Within a
+kind, the jobs of one key (a model: its chat template may be slow, up to --template-timeout-s a
+render) run on at most `per_key` threads at once, so another model's jobs always find a thread;
+a job held back for its key waits in order, it is not refused.
 
 The threads are daemons: a job that cannot be interrupted (native code) never keeps the process
 from exiting on SIGTERM. Python jobs that may run long bound themselves (the chat template's
@@ -21,8 +25,8 @@ wakes, the figure that says whether anything still blocks it (kestrel_event_loop
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,9 +50,12 @@ class Pool:
     threads: int
     waiting: int
     per_client: int = 0  # 0: no per-client share
+    per_key: int = 0  # 0: any number of threads for one key's jobs
     busy: int = 0  # running + waiting
     by_client: dict[str, int] = field(default_factory=dict)
-    _jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _queue: deque[tuple[Any, ...]] = field(default_factory=deque)  # guarded by _cond
+    _running: dict[str, int] = field(default_factory=dict)  # key -> jobs running; by _cond
+    _cond: threading.Condition = field(default_factory=threading.Condition)
     _started: bool = False
 
     def _start(self) -> None:
@@ -56,19 +63,41 @@ class Pool:
             threading.Thread(target=self._serve, name=f"{self.kind}-{i}", daemon=True).start()
         self._started = True
 
+    def _next(self) -> tuple[Any, ...] | None:
+        """The oldest job whose key may have another thread now (call under _cond)."""
+        for i, job in enumerate(self._queue):
+            key = job[4]
+            if key is None or not self.per_key or self._running.get(key, 0) < self.per_key:
+                del self._queue[i]
+                if key is not None:
+                    self._running[key] = self._running.get(key, 0) + 1
+                return job
+        return None
+
     def _serve(self) -> None:
         while True:
-            loop, fut, fn, args = self._jobs.get()
+            with self._cond:
+                while (job := self._next()) is None:
+                    self._cond.wait()
+            loop, fut, fn, args, key = job
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # handed to the awaiting coroutine, never lost here
                 result, error = None, exc
+            if key is not None:
+                with self._cond:
+                    left = self._running.pop(key, 1) - 1
+                    if left > 0:
+                        self._running[key] = left
+                    self._cond.notify()  # a job held back for this key may run on another thread
             try:
                 loop.call_soon_threadsafe(_settle, fut, result, error)
             except RuntimeError:  # that loop has closed (a test's, or the server's at exit)
                 pass
+            del job, loop, fut, fn, args, result, error  # none of it kept while this thread waits
 
-    async def run(self, fn: Callable[..., T], *args: Any, client: str | None = None) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, client: str | None = None,
+                  key: str | None = None) -> T:
         if self.busy >= self.threads + self.waiting:
             raise Busy(self.kind, per_client=False)
         if self.per_client and client is not None:
@@ -81,7 +110,9 @@ class Pool:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         fut.add_done_callback(lambda f: self._done(f, client))
-        self._jobs.put((loop, fut, fn, args))
+        with self._cond:
+            self._queue.append((loop, fut, fn, args, key))
+            self._cond.notify()
         # Shielded: a caller that gives up (its client left) does not free the place of a job
         # that still runs; the place is freed when the job ends.
         return await asyncio.shield(fut)
@@ -109,14 +140,15 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
 
 
 POOLS: dict[str, Pool] = {
-    "tokenize": Pool("tokenize", threads=2, waiting=64),
+    "tokenize": Pool("tokenize", threads=3, waiting=64, per_key=2),
     "grammar": Pool("grammar", threads=1, waiting=8, per_client=2),
     "hello": Pool("hello", threads=1, waiting=4),
 }
 
 
-async def run(kind: str, fn: Callable[..., T], *args: Any, client: str | None = None) -> T:
-    return await POOLS[kind].run(fn, *args, client=client)
+async def run(kind: str, fn: Callable[..., T], *args: Any, client: str | None = None,
+              key: str | None = None) -> T:
+    return await POOLS[kind].run(fn, *args, client=client, key=key)
 
 
 class LoopLag:

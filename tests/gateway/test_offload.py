@@ -111,6 +111,28 @@ def test_an_error_of_a_job_whose_caller_gave_up_is_not_logged_as_never_retrieved
     assert unhandled == []
 
 
+def test_one_keys_slow_jobs_leave_a_thread_for_other_keys_and_wait_their_turn() -> None:
+    pool = Pool("test", threads=2, waiting=8, per_key=1)
+    gate = threading.Event()
+    running: list[str] = []
+
+    def slow(name: str) -> str:
+        running.append(name)
+        gate.wait()
+        return name
+
+    async def main() -> None:
+        evil = [asyncio.create_task(pool.run(slow, f"evil{i}", key="evil")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert running == ["evil0"]  # one thread for the slow model; its others wait in order
+        assert await asyncio.wait_for(pool.run(lambda: "served", key="calm"), 1) == "served"
+        gate.set()
+        assert await asyncio.gather(*evil) == ["evil0", "evil1", "evil2"]
+        assert running == ["evil0", "evil1", "evil2"] and pool.busy == 0
+
+    asyncio.run(main())
+
+
 def test_the_threads_are_daemons_so_a_stuck_job_never_blocks_exit() -> None:
     async def main() -> None:
         await offload.run("hello", lambda: None)
