@@ -85,9 +85,13 @@ def _path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if not _is_member(p))
 
 
+# A validation error whose message is whole, as a check made by hand once said it (no "param: ").
+LIMIT_ERROR = "request_limit"
+
+
 def validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
-    loc, msg = tuple(errors[0]["loc"]), errors[0]["msg"]
+    loc, msg, kind = tuple(errors[0]["loc"]), errors[0]["msg"], errors[0]["type"]
     cut = next((i for i, p in enumerate(loc) if _is_member(p)), None)
     if cut is not None:
         # Every member of a union failed. Report the one the value was meant for: a failure that
@@ -100,13 +104,13 @@ def validation_error(exc: ValidationError) -> APIError:
             deepest = max(len(e["loc"]) for e in same)
             meant = [e for e in same if len(e["loc"]) == deepest]
         if len(meant) == 1 or not meant[0]["type"].endswith("_type"):
-            loc, msg = tuple(meant[0]["loc"]), meant[0]["msg"]
+            loc, msg, kind = tuple(meant[0]["loc"]), meant[0]["msg"], meant[0]["type"]
         else:
             loc, msg = prefix, "does not have one of the accepted types"
     param = _path(loc)
     msg = msg.removeprefix("Value error, ")
-    return APIError(422, f"{param}: {msg}" if param else msg, param=param or None,
-                    code="invalid_value")
+    return APIError(422, f"{param}: {msg}" if param and kind != LIMIT_ERROR else msg,
+                    param=param or None, code="invalid_value")
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:

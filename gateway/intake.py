@@ -193,10 +193,7 @@ class Intake:
             return body, tool_plan, chars, chat
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(422, "batched prompts are not supported: send one prompt",
-                               param="prompt", code="invalid_value")
-            prompt = prompt[0]
+            prompt = prompt[0]  # a batch of one (the schema refuses more)
             body = body.model_copy(update={"prompt": prompt})
         if isinstance(prompt, str):
             return body, None, len(prompt), lambda tok: tok.encode(prompt)

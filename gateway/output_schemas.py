@@ -27,16 +27,33 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
+    # gateway.structured answers 400 to a json_schema type without its json_schema.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}]})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+def _one_of(fields: tuple[str, ...], flag: str) -> dict[str, Any]:
+    """At most one of `fields` set (not null), or `flag` true and none of them."""
+    unset = {f: {"type": "null"} for f in fields}
+    off = {flag: {"const": False}}
+    return {"anyOf": [{"properties": {**unset, **off}},
+                      {"properties": {**unset, flag: {"const": True}}},
+                      *({"properties": {**{g: v for g, v in unset.items() if g != f}, **off}}
+                        for f in fields)]}
 
 
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` (the newer spelling of its guided_* fields)."""
 
+    # One of them at most: gateway.structured answers 400 to more.
+    model_config = ConfigDict(json_schema_extra=_one_of(("json", "regex", "choice", "grammar"),
+                                                        "json_object"))
     json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str] | None, Field(json_schema_extra={"minItems": 1})] = None
     grammar: str | None = None
     json_object: bool = False
 

@@ -1,23 +1,39 @@
 """Request bodies, as OpenAI's API types them (strict: "5" is not an integer).
 
-Static bounds live on the fields; the limits that are settings (prompt characters, the max_tokens
-cap) are checked by `check_limits` with the gateway's config. Unknown fields are ignored, as
-OpenAI clients expect. Validation happens before anything is tokenized or queued.
+Static bounds live on the fields, so /openapi.json (built from these models) states them; where a
+bound was once checked by hand, `refused_as` keeps that check's message. The limits that are
+settings (prompt characters, the max_tokens cap) are checked by `check_limits` with the gateway's
+config, and those that depend on the served models (their names, vocabulary, context) by the
+intake; `server_bound` marks the fields they bound, and gateway.openapi writes the running
+server's figure there. Unknown fields are ignored, as OpenAI clients expect. Validation happens
+before anything is tokenized or queued.
 
 An absent max_tokens (max_new_tokens) means the route's default (16 for completions and the
 native API, as OpenAI's completions; 512 for chat), cut to the cap, the model's context and what
 the model's workers were measured to finish before the request's deadline
 (`Intake.sampling`): a request that asked for nothing is never a 422 nor a 504.
 Integers that travel to the worker are bounded here to what msgpack carries (64 bits), so a huge
-number is a 422, never an encoding error.
+number is a 422, never an encoding error. An integer may be spelled 5.0, as JSON Schema's
+"integer" allows (the document cannot say otherwise); 5.5 and "5" are still a 422.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
+from gateway.errors import LIMIT_ERROR
 from gateway.output_schemas import (
     ResponseFormat,
     StructuredOutputs,
@@ -25,13 +41,73 @@ from gateway.output_schemas import (
     ToolCall,
     ToolChoice,
 )
+from gateway.request_rules import CHAT_RULES, COMPLETION_RULES
 
 MAX_N = 8
 MAX_LOGPROBS = 5
+MAX_STOP = 4
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
-TOKEN_ID = Annotated[int, Field(ge=0, lt=2**32)]  # the model's vocabulary is checked later
-SEED = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]  # the sampler masks it to 64 bits
-TOP_K = Annotated[int, Field(ge=-1, lt=2**31)]
+SERVER_BOUND = "x-server-bound"  # marks a field's server_bound in the models' JSON schema
+EMPTY_PROMPT = "the prompt is empty"
+
+
+def server_bound(**bounds: str) -> dict[str, Any]:
+    """A field's bound that only the running server knows: {JSON Schema keyword: the name of
+    its figure}, which gateway.openapi.server_figures gives per request."""
+    return {SERVER_BOUND: bounds}
+
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def refused_as(messages: dict[str, str], whole: bool = False) -> WrapValidator:
+    """Pydantic's errors of these types (the field's declared bounds) answered with our own
+    message, as the check had when it was made by hand; `whole`: without the "param: " prefix."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            kinds = [e["type"] for e in exc.errors()]
+            if not all(kind in messages for kind in kinds):
+                raise
+            raise PydanticCustomError(LIMIT_ERROR if whole else "invalid_value",
+                                      messages[kinds[0]]) from None
+
+    return WrapValidator(check)
+
+
+def _one_prompt(prompts: list[str]) -> list[str]:
+    """After the items' types (["a", 1] is neither texts nor ids), so not pydantic's max_length."""
+    if len(prompts) > 1:
+        raise PydanticCustomError(LIMIT_ERROR, "batched prompts are not supported: send one prompt")
+    return prompts
+
+
+def _int(**bounds: Any) -> Any:
+    """A bounded integer type, which may be spelled as a whole float (5.0)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
+# The model's vocabulary is checked by the intake (400); the document says it where known.
+TOKEN_ID = _int(ge=0, lt=2**32, json_schema_extra=server_bound(exclusiveMaximum="vocab_size"))
+SEED = _int(ge=INT64_MIN, le=UINT64_MAX)  # the sampler masks it to 64 bits
+TOP_K = _int(ge=-1, lt=2**31)
+N_CHOICES = _int(ge=1, le=MAX_N)
+LOGPROBS = _int(ge=0, le=MAX_LOGPROBS)
+MAX_TOKENS = _int(ge=1, json_schema_extra=server_bound(maximum="max_tokens"),
+                 description="at most the server's cap; the prompt's tokens plus this must fit "
+                 "the model's context (400 context_length_exceeded)")
+PROMPT_TEXT = Annotated[str, Field(min_length=1, json_schema_extra=server_bound(
+    maxLength="max_prompt_chars"))]
+PROMPT_DOC = ("its tokens must leave room in the model's context for max_tokens "
+              "(400 context_length_exceeded)")
+STOP_TEXT = Annotated[str, Field(min_length=1)]
+STOP_ERRORS = {"string_too_short": "stop sequences must not be empty",
+               "too_long": f"at most {MAX_STOP} stop sequences"}
+STOP = (Annotated[STOP_TEXT, refused_as(STOP_ERRORS)]
+        | Annotated[list[STOP_TEXT], Field(max_length=MAX_STOP), refused_as(STOP_ERRORS)])
 
 
 class RequestLimitError(ValueError):
@@ -55,8 +131,9 @@ class RequestBase(_Strict):
     the model, stop strings, the prefix-cache salt, the deadline and the shared sampling fields.
     """
 
-    model: str | None = None
-    stop: str | list[str] | None = None
+    # Absent or "": the first model served; the document lists the served names.
+    model: Annotated[str | None, Field(json_schema_extra=server_bound(enum="model"))] = None
+    stop: STOP | None = None
     # vLLM's extension: requests share cached prefixes only with the same salt (and key).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -65,17 +142,11 @@ class RequestBase(_Strict):
     seed: SEED | None = None
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension: False opts this request out of speculative decoding
-    timeout: Annotated[float, Field(gt=0.0)] | None = None  # extension: seconds, may only shorten
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stop
+    timeout: Annotated[float, Field(gt=0.0, json_schema_extra=server_bound(minimum="min_timeout"),
+                                    description=(
+        "seconds; may only shorten the server's default deadline. A deadline this request "
+        "cannot meet on this server (its measured speed) is refused at once: 400 "
+        "deadline_unreachable, or 429 at the current load"))] | None = None  # extension
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -99,19 +170,20 @@ class RequestBase(_Strict):
 class _SamplingFields(RequestBase):
     """Fields shared by the OpenAI routes."""
 
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: N_CHOICES = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
     # Declared so that it is refused (400), never silently ignored: the worker has no logit bias.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, Field(json_schema_extra={"maxProperties": 0},
+                          description="not supported: a non-empty map is a 400")] = None
     # Structured output (gateway/structured.py): OpenAI's response_format and vLLM's extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | bool | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str] | None, Field(json_schema_extra={"minItems": 1})] = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -129,10 +201,19 @@ class _SamplingFields(RequestBase):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TOKEN_ID]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    model_config = ConfigDict(json_schema_extra=COMPLETION_RULES)
+    # Text, a batch of exactly one text, or token ids (a batch of several is not supported).
+    prompt: Annotated[
+        Annotated[PROMPT_TEXT, refused_as({"string_too_short": EMPTY_PROMPT}, whole=True)]
+        | Annotated[list[PROMPT_TEXT], Field(min_length=1, json_schema_extra={"maxItems": 1}),
+                    AfterValidator(_one_prompt), refused_as(
+                        {"too_short": EMPTY_PROMPT, "string_too_short": EMPTY_PROMPT}, whole=True)]
+        | Annotated[list[TOKEN_ID], Field(min_length=1, json_schema_extra=server_bound(
+            maxItems="max_prompt_ids")), refused_as({"too_short": EMPTY_PROMPT}, whole=True)],
+        Field(description=PROMPT_DOC)]
+    max_tokens: MAX_TOKENS | None = None
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: LOGPROBS | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -163,11 +244,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=CHAT_RULES)
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MAX_TOKENS | None = None
+    max_completion_tokens: MAX_TOKENS | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: LOGPROBS | None = None
     # Tools (gateway/tools.py): rendered into the prompt, calls parsed from the output.
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
@@ -183,8 +265,9 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateRequest(RequestBase):
     """The native API: POST /v1/generate and /v1/generate/stream."""
 
-    prompt: str
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    prompt: Annotated[PROMPT_TEXT, refused_as({"string_too_short": EMPTY_PROMPT}, whole=True),
+                      Field(description=PROMPT_DOC)]
+    max_new_tokens: MAX_TOKENS | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_new_tokens
