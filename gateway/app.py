@@ -19,7 +19,7 @@ from starlette.routing import Route
 from gateway import errors, routes
 from gateway.config import GatewayConfig
 from gateway.offload import LoopLag
-from gateway.openapi import build_openapi
+from gateway.openapi import OpenAPIDocument, server_figures
 from gateway.service import GatewayState
 
 
@@ -53,7 +53,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.gateway = state
-    app.state.openapi = build_openapi()  # built once: the schemas never change while serving
+    app.state.openapi = OpenAPIDocument()  # the served models' figures added per request
     state.http_in_flight = errors.install(app)
     return app
 
@@ -94,4 +94,6 @@ async def metrics(request: Request) -> Response:
 
 
 async def openapi_json(request: Request) -> Response:
-    return JSONResponse(request.app.state.openapi)
+    state = _state(request)
+    figures = server_figures(state.cfg, state.client.registry, state.intake.service_times)
+    return Response(request.app.state.openapi.render(figures), media_type="application/json")

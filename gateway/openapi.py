@@ -1,9 +1,17 @@
-"""`/openapi.json`: the gateway's OpenAPI 3.1 description, built once from the pydantic request
+"""`/openapi.json`: the gateway's OpenAPI 3.1 description, built from the pydantic request
 schemas (gateway.schemas, through the routes' formatters), so it cannot drift from what the
-routes validate.
+routes validate, and completed per request with what only the running server knows.
 
     ROUTES (path, method, request model or None, summary) ──pydantic models_json_schema──▶
-        components.schemas + one operation per route, each with its error responses
+        components.schemas + one operation per route, each with its error responses  (once)
+    server_figures(config, registry, service times): the served model names, their vocabulary
+        and context, the configured limits, the least time a request was measured to take
+        ──with_figures──▶ each `server_bound` of a field filled in (per request; rendered again
+        only when a figure changed: a model joined or left, the workers' speed moved a digit)
+
+The rules across fields that the routes check after pydantic are in the models' schemas too
+(gateway.request_rules). What no schema can say (a prompt's length in tokens, whether a grammar
+compiles, a deadline too short for this request) is in the fields' descriptions.
 
 Response bodies are described loosely (an object; an SSE stream for streams) except the error
 shape, which every route shares: {"error": {"message", "type", "param", "code"}}.
@@ -11,12 +19,18 @@ shape, which every route shares: {"error": {"message", "type", "param", "code"}}
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gateway.config import GatewayConfig
 from gateway.intake import ROUTES as INTAKE_ROUTES
+from gateway.registry import Registry
+from gateway.schemas import SERVER_BOUND
+from gateway.service_time import ServiceTimes
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -35,6 +49,10 @@ GENERATION_ERRORS = {"400": "bad JSON, a prompt beyond the context, a template e
                      "408": "the body did not arrive in time", "413": "the body is too large",
                      "422": "a field is invalid", "404": "the model is not served here",
                      "504": "the request's deadline passed"}
+
+DESCRIPTION = ("The bounds that depend on this server (the served models' names, vocabulary and "
+               "context, its configured limits, the least timeout its workers were measured to "
+               "need) are the ones in force when this document is fetched.")
 
 # path, method, request model (or None), summary, streams
 ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
@@ -81,7 +99,69 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
             op["responses"].update({code: _error(text) for code, text in
                                     GENERATION_ERRORS.items()})
         paths.setdefault(path, {})[method] = op
-    return {"openapi": "3.1.0", "info": {"title": title, "version": version},
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version,
+                                         "description": DESCRIPTION},
             "paths": paths, "components": {"schemas": schemas,
                                            "securitySchemes": {"bearer": {
                                                "type": "http", "scheme": "bearer"}}}}
+
+
+def server_figures(cfg: GatewayConfig, registry: Registry,
+                   times: ServiceTimes | None = None) -> dict[str, Any]:
+    """The figures the routes check requests against on this server now, by the names
+    gateway.schemas.server_bound gives them; those of the models absent while none is served."""
+    figures: dict[str, Any] = {"max_prompt_chars": cfg.max_prompt_chars,
+                               "max_prompt_ids": cfg.max_prompt_chars,
+                               "max_tokens": cfg.max_tokens_cap}
+    models = list(registry.models.values())
+    if models:
+        names = [name for e in models for name in (e.model_id, *e.hello.aliases)]
+        figures["model"] = [None, "", *dict.fromkeys(names)]  # absent or "": the first model
+        figures["vocab_size"] = max(e.tokenizer.vocab_size for e in models)
+        # A prompt has at least one token, and with max_tokens it must fit the context.
+        context = max(e.hello.max_model_len for e in models)
+        figures["max_tokens"] = max(1, min(cfg.max_tokens_cap, context - 1))
+        figures["max_prompt_ids"] = max(1, min(cfg.max_prompt_chars, context - 1))
+    # The least any request takes (one prompt token, one new token) on the fastest idle worker
+    # as measured: a shorter timeout is refused whatever the request. Rounded down to one
+    # significant digit, so that the document does not change with every measurement.
+    least = times.estimate([(w, 0) for w in registry.ready_ids()], 1, 1,
+                           lower_bound=True) if times is not None else None
+    if least is not None and least > 0:
+        unit = 10.0 ** math.floor(math.log10(least))
+        figures["min_timeout"] = float(f"{math.floor(least / unit) * unit:.1g}")
+    return figures
+
+
+def with_figures(node: Any, figures: dict[str, Any]) -> Any:
+    """A copy of `node` with every server bound filled in from `figures`, and its marker gone.
+    A bound whose figure is unknown is left out; a figure never loosens a static upper bound."""
+    if isinstance(node, list):
+        return [with_figures(item, figures) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: with_figures(value, figures) for key, value in node.items()
+           if key != SERVER_BOUND}
+    for keyword, name in node.get(SERVER_BOUND, {}).items():
+        value = figures.get(name)
+        if value is None:
+            continue
+        if keyword in out and keyword.startswith(("max", "exclusiveMax")):
+            value = min(out[keyword], value)
+        out[keyword] = value
+    return out
+
+
+class OpenAPIDocument:
+    """The document's schemas built once; its body rendered again when a figure changes."""
+
+    def __init__(self, title: str = "kestrel", version: str = "0.1.0") -> None:
+        self.base = build_openapi(title, version)
+        self._figures: dict[str, Any] | None = None
+        self._body = b""
+
+    def render(self, figures: dict[str, Any]) -> bytes:
+        if figures != self._figures:
+            self._body = json.dumps(with_figures(self.base, figures)).encode()
+            self._figures = figures
+        return self._body
