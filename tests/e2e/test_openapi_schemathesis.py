@@ -24,6 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from tests.procs import GatewayProc, WorkerProc
 
 EXAMPLES = int(os.environ.get("KESTREL_SCHEMATHESIS_EXAMPLES", "100"))
+POSITIVE_EXAMPLES = 50
+# Refusals no schema can state, which the document names in its descriptions instead: the
+# prompt's length in tokens against the context, a regex, grammar or JSON schema that does not
+# compile, a deadline this server is too slow for, a named tool missing from the tools, a load.
+BEYOND_A_SCHEMA = {"context_length_exceeded", "invalid_response_format", "deadline_unreachable"}
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +85,57 @@ def test_schemathesis_finds_no_server_error(api_schema: Any) -> None:
         run()
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/generate",
             "POST /v1/generate/stream", "GET /v1/models", "GET /health"} <= set(labels), labels
+
+
+def _beyond_a_schema(status: int, error: dict[str, Any]) -> bool:
+    return (status == 429 or error.get("code") in BEYOND_A_SCHEMA
+            or "not among the tools" in str(error.get("message")))
+
+
+def _positive_cases(operation: Any) -> tuple[int, list[tuple[int, dict, Any]]]:
+    """POSITIVE_EXAMPLES schema-valid cases sent (derandomized): how many were served, and the
+    (status, error, body) of each refused; never a 5xx."""
+    served, refused = [0], []
+
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+    @settings(max_examples=POSITIVE_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def run(case: Any) -> None:
+        response = case.call(timeout=120)
+        assert response.status_code < 500, (operation.label, response.text[:500], case.body)
+        if response.status_code < 300:
+            served[0] += 1
+        else:
+            refused.append((response.status_code, response.json()["error"], case.body))
+
+    run()
+    return served[0], refused
+
+
+def test_valid_cases_are_served(api_schema: Any) -> None:
+    """Issue 23: what /openapi.json calls valid, the routes serve. Per POST route, 50 positive
+    (schema-valid) cases: none refused for a reason a schema can state (a 422, a 404 for the
+    model, a 400 for a rule across fields), and at least 80 % served.
+
+    Measured on this fixture (50 cases a route), served before -> after the fix:
+    /v1/completions 18 % -> 88-99 %, /v1/chat/completions 52 % -> 82-95 %, /v1/generate and
+    /v1/generate/stream 30 % -> 88-100 %. Before, the refusals were mostly an empty prompt or
+    a batch of several (422), a model name that is not served (404), more than 4 stop strings,
+    integers spelled 1.0, a non-empty logit_bias and several structured-output fields at once
+    (400). What remains is beyond a schema (BEYOND_A_SCHEMA); it varies with the server's
+    measured speed, which the document's least timeout follows."""
+    rates = {}
+    for result in api_schema.get_all_operations():
+        operation = result.ok()
+        if operation.method.upper() != "POST":
+            continue
+        served, refused = _positive_cases(operation)
+        total = served + len(refused)
+        rates[operation.label] = f"{served}/{total}"
+        statable = [(status, error, body) for status, error, body in refused
+                    if not _beyond_a_schema(status, error)]
+        assert not statable, (operation.label, rates[operation.label], statable[:5])
+        assert served >= 0.8 * total, (operation.label, rates[operation.label],
+                                       [(status, error) for status, error, _ in refused])
+    print("served of the positive cases:", rates)
+    assert len(rates) == 4, rates
