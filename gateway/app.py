@@ -95,5 +95,5 @@ async def metrics(request: Request) -> Response:
 
 async def openapi_json(request: Request) -> Response:
     state = _state(request)
-    figures = server_figures(state.cfg, state.client.registry, state.intake.service_times)
+    figures = server_figures(state.cfg, state.client.registry)
     return Response(request.app.state.openapi.render(figures), media_type="application/json")

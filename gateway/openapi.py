@@ -4,14 +4,16 @@ routes validate, and completed per request with what only the running server kno
 
     ROUTES (path, method, request model or None, summary) ──pydantic models_json_schema──▶
         components.schemas + one operation per route, each with its error responses  (once)
-    server_figures(config, registry, service times): the served model names, their vocabulary
-        and context, the configured limits, the least time a request was measured to take
-        ──with_figures──▶ each `server_bound` of a field filled in (per request; rendered again
-        only when a figure changed: a model joined or left, the workers' speed moved a digit)
+    server_figures(config, registry): the served model names, their vocabulary and context,
+        the configured limits ──with_figures──▶ each `server_bound` of a field filled in
+        (per request; rendered again only when a figure changed: a model joined or left)
 
 The rules across fields that the routes check after pydantic are in the models' schemas too
 (gateway.request_rules). What no schema can say (a prompt's length in tokens, whether a grammar
-compiles, a deadline too short for this request) is in the fields' descriptions.
+compiles, a deadline too short for this request on this server) is in the fields'
+descriptions. A timeout's least is not stated though the workers' speed is measured: the least
+request's time is no bound for a longer one, and a timeout drawn at that edge is admitted and
+then missed (a 504) as often as refused.
 
 Response bodies are described loosely (an object; an SSE stream for streams) except the error
 shape, which every route shares: {"error": {"message", "type", "param", "code"}}.
@@ -20,7 +22,6 @@ shape, which every route shares: {"error": {"message", "type", "param", "code"}}
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from pydantic import BaseModel
@@ -30,7 +31,6 @@ from gateway.config import GatewayConfig
 from gateway.intake import ROUTES as INTAKE_ROUTES
 from gateway.registry import Registry
 from gateway.schemas import SERVER_BOUND
-from gateway.service_time import ServiceTimes
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -51,8 +51,8 @@ GENERATION_ERRORS = {"400": "bad JSON, a prompt beyond the context, a template e
                      "504": "the request's deadline passed"}
 
 DESCRIPTION = ("The bounds that depend on this server (the served models' names, vocabulary and "
-               "context, its configured limits, the least timeout its workers were measured to "
-               "need) are the ones in force when this document is fetched.")
+               "context, its configured limits) are the ones in force when this document is "
+               "fetched.")
 
 # path, method, request model (or None), summary, streams
 ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
@@ -106,8 +106,7 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
                                                "type": "http", "scheme": "bearer"}}}}
 
 
-def server_figures(cfg: GatewayConfig, registry: Registry,
-                   times: ServiceTimes | None = None) -> dict[str, Any]:
+def server_figures(cfg: GatewayConfig, registry: Registry) -> dict[str, Any]:
     """The figures the routes check requests against on this server now, by the names
     gateway.schemas.server_bound gives them; those of the models absent while none is served."""
     figures: dict[str, Any] = {"max_prompt_chars": cfg.max_prompt_chars,
@@ -122,14 +121,6 @@ def server_figures(cfg: GatewayConfig, registry: Registry,
         context = max(e.hello.max_model_len for e in models)
         figures["max_tokens"] = max(1, min(cfg.max_tokens_cap, context - 1))
         figures["max_prompt_ids"] = max(1, min(cfg.max_prompt_chars, context - 1))
-    # The least any request takes (one prompt token, one new token) on the fastest idle worker
-    # as measured: a shorter timeout is refused whatever the request. Rounded down to one
-    # significant digit, so that the document does not change with every measurement.
-    least = times.estimate([(w, 0) for w in registry.ready_ids()], 1, 1,
-                           lower_bound=True) if times is not None else None
-    if least is not None and least > 0:
-        unit = 10.0 ** math.floor(math.log10(least))
-        figures["min_timeout"] = float(f"{math.floor(least / unit) * unit:.1g}")
     return figures
 
 

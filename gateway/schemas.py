@@ -142,8 +142,7 @@ class RequestBase(_Strict):
     seed: SEED | None = None
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension: False opts this request out of speculative decoding
-    timeout: Annotated[float, Field(gt=0.0, json_schema_extra=server_bound(minimum="min_timeout"),
-                                    description=(
+    timeout: Annotated[float, Field(gt=0.0, description=(
         "seconds; may only shorten the server's default deadline. A deadline this request "
         "cannot meet on this server (its measured speed) is refused at once: 400 "
         "deadline_unreachable, or 429 at the current load"))] | None = None  # extension

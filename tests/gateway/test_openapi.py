@@ -1,9 +1,9 @@
 """gateway/openapi.py: /openapi.json says what the routes enforce (issue 23). The request schemas'
 bounds, the rules across fields (gateway/request_rules.py) and the running server's figures
-(served model names, vocabulary, context, configured limits, the least time a request takes),
-checked against the intake itself with one fake worker: a body the document refuses, the route
-refuses; one it admits, the route serves (for what a schema can say: not a grammar that does not
-compile, nor a prompt's token count)."""
+(served model names, vocabulary, context, configured limits), checked against the intake itself
+with one fake worker: a body the document refuses, the route refuses; one it admits, the route
+serves (for what a schema can say: not a grammar that does not compile, nor a prompt's token
+count)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def served(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
     client.link.close()
 
 
-def document(client: EngineClient, times: ServiceTimes | None = None) -> dict[str, Any]:
-    return json.loads(OpenAPIDocument().render(server_figures(CFG, client.registry, times)))
+def document(client: EngineClient) -> dict[str, Any]:
+    return json.loads(OpenAPIDocument().render(server_figures(CFG, client.registry)))
 
 
 def validator(doc: dict[str, Any], model: str) -> Draft202012Validator:
@@ -93,19 +93,6 @@ def test_without_a_model_the_document_names_none_and_keeps_the_configured_limits
     assert "enum" not in completion["model"]
     assert completion["max_tokens"]["anyOf"][0]["maximum"] == CFG.max_tokens_cap
     assert completion["prompt"]["anyOf"][2]["items"]["exclusiveMaximum"] == 2**32
-
-
-def test_the_least_timeout_is_what_the_fastest_worker_was_measured_to_need(served: Any) -> None:
-    client, _ = served
-    timeout = document(client)["components"]["schemas"]["GenerateRequest"]["properties"][
-        "timeout"]["anyOf"][0]
-    assert "minimum" not in timeout  # nothing measured yet
-    times = ServiceTimes()
-    worker = client.registry.ready_ids()[0]
-    times.observe(worker, 1, 10, 0.1, 0.057)  # 10 ms a prompt token, 57 ms a step: 67 ms
-    timeout = document(client, times)["components"]["schemas"]["GenerateRequest"][
-        "properties"]["timeout"]["anyOf"][0]
-    assert timeout["minimum"] == 0.06  # rounded down: never above what the route needs
 
 
 OK, REFUSED = True, False
