@@ -76,6 +76,7 @@ class GatewayState:
 
     def _drain(self) -> None:
         self.admission.reject_waiters()
+        self.intake.readers.stop()  # bodies still arriving: 503 now
         asyncio.get_running_loop().call_later(
             self.cfg.drain_timeout_s, self.client.fail_all,
             "the server is shutting down and its drain timeout has passed")

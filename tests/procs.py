@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -140,3 +141,15 @@ class WorkerProc(Proc):
     def request_ends(self) -> dict[str, dict[str, Any]]:
         """The worker's per-request log lines, by engine request id."""
         return {e["request_id"]: e for e in self.log_lines() if e.get("event") == "request_end"}
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One whole HTTP response (its head, then Content-Length bytes of body)."""
+    got = b""
+    while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", got, re.I).group(1)):  # type: ignore[union-attr]
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got
