@@ -21,6 +21,7 @@ then serves it, in a format we can both ask for and parse.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,7 @@ import jinja2.meta
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+log = logging.getLogger("kestrel.gateway")
 TOOL_CALL_TAG = "<tool_call>"
 _PROBE_NAME = "kestrel_probe_function"
 _PROBE_TOOLS = [{"type": "function", "function": {
@@ -51,6 +53,14 @@ class ChatTemplateError(ValueError):
 
 class RenderedPromptTooLong(ChatTemplateError):
     """The template rendered more text than the gateway accepts as one prompt."""
+
+
+# A template that cannot render a small conversation in time is broken, whoever asks: each of
+# its renders would burn a thread and, holding the GIL between trace checks, slow every other
+# request, until its timeout. It is tried once when the model joins, on one short message, and
+# a render of at most SMALL_CHARS (messages and tools) that runs out of time fences it too.
+PROBE_TIMEOUT_S = 0.5
+SMALL_CHARS = 8192
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -165,8 +175,13 @@ class ChatTemplate:
         self._template = env.from_string(source)
         # Like transformers' special_tokens_map: a token the model lacks stays undefined.
         self._special = dict(special)
+        self.broken: str | None = None  # why every render is refused, once it is known
+        try:
+            self.render(_PROBE_MESSAGES, max_chars=100_000, timeout_s=PROBE_TIMEOUT_S)
+        except ChatTemplateError:
+            pass  # a template may refuse a lone user message; only being late breaks it
         reads_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
-        self.native_tools = reads_tools and self._probe_tools()
+        self.native_tools = not self.broken and reads_tools and self._probe_tools()
 
     def _probe_tools(self) -> bool:
         try:
@@ -187,6 +202,8 @@ class ChatTemplate:
         timeout_s: float | None = None,
     ) -> str:
         """The prompt text; ChatTemplateError (RenderedPromptTooLong past `max_chars`) else."""
+        if self.broken:
+            raise ChatTemplateError(self.broken)
         if not messages:
             raise ChatTemplateError("a conversation needs at least one message")
         chat = [_message_for_template(m) for m in messages]
@@ -222,6 +239,13 @@ class ChatTemplate:
         except ChatTemplateError:
             raise
         except _TemplateLate:
+            size = len(repr(chat)) + len(repr(tools or ""))
+            if size <= SMALL_CHARS and timeout_s is not None and timeout_s >= PROBE_TIMEOUT_S:
+                # not this conversation's size, nor a tight bound: the template itself
+                self.broken = (f"this model's chat template took over {timeout_s} s on a "
+                               f"conversation of {size} characters; its chats are refused "
+                               "(use /v1/completions)")
+                raise ChatTemplateError(self.broken) from None
             raise ChatTemplateError(f"rendering took over {timeout_s} s") from None
         except Exception as exc:  # noqa: BLE001 - a template is model-supplied code; any error
             # while rendering is the conversation not fitting it (a missing key, a wrong type).

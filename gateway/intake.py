@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from gateway import offload
-from gateway.body import read_json
+from gateway.body import Readers, read_json
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ModelEntry
 from gateway.errors import APIError, too_many_requests, validation_error
@@ -115,9 +115,11 @@ class Intake:
         self.service_times = service_times
         self.load = client.load  # (worker id, sequences it runs for us) of a model's workers
         self.rendered_prompt_limit = cfg.rendered_prompt_limit
+        self.readers = Readers()  # the bodies being read: ended with a 503 at SIGTERM
 
     async def read(self, route: str, request: Request, arrival: float) -> Draft:
-        data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
+        data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s,
+                               self.readers)
         spec = ROUTES[route]
         body = parse_body(spec.schema, data)
         stream = bool(body.stream) if spec.stream is None else spec.stream
@@ -150,7 +152,9 @@ class Intake:
             if chars <= INLINE_TOKENIZE_CHARS and not isinstance(body, ChatCompletionRequest):
                 ids = encode(model.tokenizer)  # cheaper than the hop to a thread
             else:
-                ids = await offload.run("tokenize", encode, model.tokenizer)
+                # keyed by model: a slow chat template holds at most 2 of the 3 threads
+                ids = await offload.run("tokenize", encode, model.tokenizer,
+                                        key=model.model_id)
         except ChatTemplateError as exc:
             raise APIError(400, f"chat template: {exc}", param="messages") from None
         except offload.Busy as exc:

@@ -218,13 +218,39 @@ def test_a_template_that_loops_without_writing_stops_at_its_deadline(
         smollm2_info: TokenizerInfo) -> None:
     """Issue 23: the time bound was checked only when the template wrote something, so nested
     loops that print nothing held a thread (and, six of them, every request) for hours."""
-    tok = GatewayTokenizer.from_info(dataclasses.replace(smollm2_info,
-                                                         chat_template=SILENT_LOOPS))
+    tok = GatewayTokenizer.from_info(dataclasses.replace(smollm2_info, chat_template=(
+        "{% if messages[0].content == 'slow' %}" + SILENT_LOOPS + "{% endif %}ok")))
     start = time.monotonic()
     with pytest.raises(ChatTemplateError, match="took over 0.3 s"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=0.3)
+        tok.apply_chat_template([{"role": "user", "content": "slow"}], timeout_s=0.3)
     assert time.monotonic() - start < 2.0
     assert sys.gettrace() is None  # the thread's trace is given back
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=0.3) == "ok"
+
+
+def test_a_template_late_on_a_small_conversation_is_fenced(smollm2_info: TokenizerInfo) -> None:
+    """Each render of a template that never ends burned a thread, and the GIL, for its whole
+    timeout. Tried once when the model joins, it is refused from then on without rendering."""
+    start = time.monotonic()
+    broken = _with_template(smollm2_info, SILENT_LOOPS)
+    assert time.monotonic() - start < 2.0  # the probe stops at its own bound
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="its chats are refused"):
+        broken.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=2.0)
+    assert time.monotonic() - start < 0.1
+    # late only on some small conversation: fenced from that render on
+    picky = _with_template(smollm2_info, "{% if messages[0].content == 'slow' %}"
+                           + SILENT_LOOPS + "{% endif %}ok")
+    with pytest.raises(ChatTemplateError, match="its chats are refused"):
+        picky.apply_chat_template([{"role": "user", "content": "slow"}], timeout_s=0.5)
+    with pytest.raises(ChatTemplateError, match="its chats are refused"):
+        picky.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=0.5)
+    # late on a large conversation: that request's 400, the template stays in use
+    sized = _with_template(smollm2_info, "{% for m in messages %}{% for c in m.content %}"
+                           "{% for i in range(2000) %}{% endfor %}{% endfor %}{% endfor %}ok")
+    with pytest.raises(ChatTemplateError, match="rendering took over 0.5 s"):
+        sized.apply_chat_template([{"role": "user", "content": "x" * 20_000}], timeout_s=0.5)
+    assert sized.apply_chat_template([{"role": "user", "content": "hi"}], timeout_s=0.5) == "ok"
 
 
 def test_the_deadline_leaves_an_ordinary_render_alone(smollm2: GatewayTokenizer) -> None:
