@@ -2,7 +2,7 @@
 own forward.
 
     python benchmarks/bench_perplexity.py [--model default|FILE.gguf] [--text FILE ...]
-        [--window 512] [--modes ...] [--score all|half] [--llama-perplexity PATH]
+        [--window 512] [--modes ...] [--score all|half] [--llama-perplexity PATH] [--rows 16]
 
 Data flow: text (--text files; default CPython's pydoc_data.topics) -> the model's tokenizer ->
 windows of --window tokens (no overlap) -> ModelRunner.forward_full (no cache) per mode ->
@@ -44,6 +44,30 @@ def perplexity(runner: object, ids: list[int], window: int, half: bool = False) 
         if len(chunk) < 2 or (half and len(chunk) < window):
             break
         logits = runner.forward_full(chunk)  # type: ignore[attr-defined]  # (T, V) float32
+        target = torch.tensor(chunk[first + 1 :])
+        nll += torch.nn.functional.cross_entropy(logits[first:-1], target,
+                                                 reduction="sum").item()
+        count += len(target)
+    return math.exp(nll / count)
+
+
+def perplexity_by_rows(runner: Any, ids: list[int], window: int, half: bool,
+                       rows: int) -> float:
+    """As `perplexity`, but each window is fed through the serving step (ModelRunner.execute,
+    the KV cache) `rows` tokens at a time: every layer sees at most `rows` rows, so the paths a
+    runner chose for few rows (the integer-dot kernel up to its int_dot_rows) are the ones
+    scored, as they are in decode."""
+    from engine_worker.step import StepItem
+
+    table = list(range(-(-window // runner.block_size)))
+    nll, count = 0.0, 0
+    first = window // 2 if half else 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2 or (half and len(chunk) < window):
+            break
+        logits = torch.cat([runner.execute([StepItem(chunk[p : p + rows], p, table, True)])
+                            for p in range(0, len(chunk), rows)])  # (T, V)
         target = torch.tensor(chunk[first + 1 :])
         nll += torch.nn.functional.cross_entropy(logits[first:-1], target,
                                                  reduction="sum").item()
@@ -110,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's llama-tokenize: refuse to compare unless its tokens are "
                          "ours (default: beside --llama-perplexity, if there)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=0,
+                    help="feed each window through the serving step this many tokens at a time "
+                         "(16: the integer-dot kernel's rows, as in decode); 0: one forward")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tokenizers import Tokenizer
@@ -160,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(RunnerConfig.from_settings(args.model, dtype=dtype, quantization=quant,
                                                         kv_cache_mb=256, cache_dir=str(cache)))
         with torch.inference_mode():
-            ppl = perplexity(runner, ids, args.window, half)
+            ppl = perplexity_by_rows(runner, ids, args.window, half, args.rows) if args.rows \
+                else perplexity(runner, ids, args.window, half)
         ref = ppl if ref is None else ref
         print(f"{mode:8s} perplexity {ppl:.4f}  ({(ppl / ref - 1) * 100:+.2f} % vs "
               f"{args.modes.split(',')[0]}"
