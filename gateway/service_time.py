@@ -6,10 +6,11 @@
     admission asks estimate(workers, prompt_tokens, max_tokens, batch) ──▶ seconds on the
         fastest of those workers with `batch` sequences running, or None before any measurement
 
-A request's own service time is its prefill (prompt tokens x the measured seconds per token) plus
-its decode (max_tokens steps x the measured step time at the batch it will run in). Step time is
-measured per batch size because it is not constant: on a host whose throughput falls with
-concurrency (a bfloat16 path with no hardware behind it), 16 rows cost 10x one row a step.
+A request's own service time is its prefill (prompt tokens x the measured seconds per token, at
+least what short prompts took) plus its decode (max_tokens steps x the measured step time at the
+batch it will run in). Step time is measured per batch size because it is not constant: on a
+host whose throughput falls with concurrency (a bfloat16 path with no hardware behind it), 16
+rows cost 10x one row a step.
 A batch size with no measurement of its own borrows the nearest measured bucket: one above as it
 is (a larger batch is no faster), one below scaled by sqrt(batch / that bucket), between the
 perfect batching of a GPU (x1) and none at all (x batch); the bucket's own figure replaces that
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 ALPHA = 0.3  # EWMA weight of the newest observation: a few requests move the estimate
+# Prompts shorter than this teach only a prefill's fixed cost, not a rate per token: a forward's
+# overhead dominates them, and taken per token it made a near-full context look like 30 s.
+SHORT_PROMPT = 64
 
 
 def bucket(batch: int) -> int:
@@ -37,8 +41,19 @@ def _ewma(old: float | None, new: float) -> float:
 
 @dataclass
 class WorkerRates:
-    prefill_s: float | None = None  # seconds per prompt token
+    prefill_fixed_s: float | None = None  # seconds a short prefill takes: mostly fixed cost
+    prefill_s: float | None = None  # seconds per prompt token, from prompts of SHORT_PROMPT+
     step_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per decode step
+
+    def prefill(self, prompt_tokens: int) -> float:
+        """Seconds to prefill `prompt_tokens`; what was measured of short prompts is a floor,
+        never a rate (a 3-token prefill of 30 ms is one forward's cost, not 10 ms a token)."""
+        if prompt_tokens <= 0:
+            return 0.0
+        fixed = self.prefill_fixed_s or 0.0
+        if self.prefill_s is None:
+            return fixed
+        return max(fixed, self.prefill_s * prompt_tokens)
 
     def step(self, batch: int, lower_bound: bool = False) -> float | None:
         """Seconds per decode step with `batch` sequences running; None: nothing measured.
@@ -68,7 +83,9 @@ class ServiceTimes:
         of `prompt_tokens` took `prefill_s` (worker-side, first scheduled to first token) and its
         later tokens came every `tpot_s` on average (None: not measured)."""
         rates = self._workers.setdefault(worker, WorkerRates())
-        if prefill_s is not None and prompt_tokens > 0 and prefill_s >= 0:
+        if prefill_s is not None and 0 < prompt_tokens < SHORT_PROMPT and prefill_s >= 0:
+            rates.prefill_fixed_s = _ewma(rates.prefill_fixed_s, prefill_s)
+        elif prefill_s is not None and prompt_tokens > 0 and prefill_s >= 0:
             rates.prefill_s = _ewma(rates.prefill_s, prefill_s / prompt_tokens)
         if tpot_s is not None and tpot_s > 0:
             b = bucket(batch)
@@ -93,7 +110,7 @@ class ServiceTimes:
             step = rates.step(running + extra, lower_bound) if rates else None
             if rates is None or step is None:
                 continue
-            seconds = (rates.prefill_s or 0.0) * prompt_tokens + step * max_tokens
+            seconds = rates.prefill(prompt_tokens) + step * max_tokens
             best = seconds if best is None else min(best, seconds)
         return best
 

@@ -98,3 +98,18 @@ def test_a_deadline_already_passed_is_refused_even_unmeasured() -> None:
         check_fit(ServiceTimes(), [("w", 0)], 10, 10, 1, budget_s=1e-9, remaining_s=-0.001,
                   wait_s=0.0)
     assert exc.value.idle and exc.value.param == "timeout"
+
+
+def test_short_prompts_teach_a_prefills_fixed_cost_not_a_rate_per_token() -> None:
+    """A 3-token prefill of 30 ms under load is one forward's cost: taken per token (10 ms) it
+    made a near-full context of 1,000 tokens look like 10 s, and a plain request got a 400
+    deadline_unreachable (the flaky test_a_prompt_beyond_the_context_gets_400...)."""
+    st = ServiceTimes()
+    for _ in range(5):
+        st.observe("w", 1, 3, 0.03, 0.01)
+    assert st.estimate([("w", 0)], 1000, 5) == pytest.approx(0.03 + 5 * 0.01)
+    args = dict(prompt_tokens=1000, n=1, budget_s=1.0, remaining_s=1.0, wait_s=0.0)
+    check_fit(st, [("w", 0)], max_tokens=5, **args)  # admitted
+    st.observe("w", 1, 200, 0.4, 0.01)  # a long prompt teaches the rate: 2 ms a token
+    assert st.estimate([("w", 0)], 1000, 0) == pytest.approx(2.0)
+    assert st.estimate([("w", 0)], 10, 0) == pytest.approx(0.03)  # never below the short cost
