@@ -45,10 +45,6 @@ from gateway.tools import ToolPlan, render_messages, template_messages, template
 from protocol import messages as m
 
 Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long prompt is CPU work
-# A plain prompt this short is tokenized on the loop (SmolLM2's tokenizer: ~80 us for 256
-# characters on the Ice Lake): through the pool, a burst of short completions beyond its 66
-# places was refused as server_busy although admission had room for all of it.
-INLINE_TOKENIZE_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -149,12 +145,9 @@ class Intake:
         grammar = await request_grammar(body, tool_plan.lark() if tool_plan else None,
                                         key or draft.address)
         try:
-            if chars <= INLINE_TOKENIZE_CHARS and not isinstance(body, ChatCompletionRequest):
-                ids = encode(model.tokenizer)  # cheaper than the hop to a thread
-            else:
-                # keyed by model: a slow chat template holds at most 2 of the 3 threads
-                ids = await offload.run("tokenize", encode, model.tokenizer,
-                                        key=model.model_id)
+            # Keyed by model: a slow chat template holds at most 2 of the 3 threads. Every job
+            # holds an admission ticket (reserved before this), so admission bounds the queue.
+            ids = await offload.run("tokenize", encode, model.tokenizer, key=model.model_id)
         except ChatTemplateError as exc:
             raise APIError(400, f"chat template: {exc}", param="messages") from None
         except offload.Busy as exc:

@@ -1,11 +1,12 @@
 """Blocking work the event loop hands off: one place, a bounded pool per kind of work.
 
-    kind       threads  waiting  per client  running per key  what
-    tokenize   3        64       -           2 (a model)      tokenizing, chat templates (intake)
-    grammar    1        8        2           -                compiling a structured-output
-                                                              grammar (structured; a schema
-                                                              compiles once: grammar_cache)
-    hello      1        4        -           -                vetting a worker's Hello (hello)
+    kind       threads  waiting    per client  running per key  what
+    tokenize   3        admission  -           2 (a model)      tokenizing, chat templates
+                                                                (intake; each job holds a ticket)
+    grammar    1        8          2           -                compiling a structured-output
+                                                                grammar (structured; a schema
+                                                                compiles once: grammar_cache)
+    hello      1        4          -           -                vetting a worker's Hello (hello)
 
 `await run(kind, fn, *args, client=c, key=k)` runs `fn(*args)` on that kind's threads. A job past
 its kind's room (running + waiting), or past a client's share of an expensive kind, is refused at
@@ -140,7 +141,9 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
 
 
 POOLS: dict[str, Pool] = {
-    "tokenize": Pool("tokenize", threads=3, waiting=64, per_key=2),
+    # every tokenizing job holds an admission ticket: admission bounds it (a room of its own
+    # refused half of a 128-request burst that admission had room for)
+    "tokenize": Pool("tokenize", threads=3, waiting=1 << 16, per_key=2),
     "grammar": Pool("grammar", threads=1, waiting=8, per_client=2),
     "hello": Pool("hello", threads=1, waiting=4),
 }
