@@ -74,8 +74,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add(self, gen: m.Generate) -> None:
-        """Queue a request; raises ValueError (RequestTooLarge included) if it cannot be run."""
+    def add(self, gen: m.Generate, matchers: list[GrammarMatcher] | None = None) -> None:
+        """Queue a request; raises ValueError (RequestTooLarge included) if it cannot be run.
+        `matchers`: its grammar's, built already (engine_worker.grammar_builds), one a choice."""
         if gen.request_id in self.requests:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
         if not gen.prompt_token_ids:
@@ -97,14 +98,14 @@ class Engine:
             # so n > 1 choices differ yet stay reproducible.
             seed = None if params.seed is None else params.seed + i
             seq.generator = make_generator(seed, self.runner.device)
-        matchers: dict[int, GrammarMatcher] = {}
+        by_seq: dict[int, GrammarMatcher] = {}
         if gen.grammar is not None and self.grammars is not None:  # one matcher per choice
-            built = self.grammars.matchers(gen.grammar, len(seqs))
-            matchers = {seq.seq_id: mt for seq, mt in zip(seqs, built, strict=True)}
+            built = matchers or self.grammars.matchers(gen.grammar, len(seqs))
+            by_seq = {seq.seq_id: mt for seq, mt in zip(seqs, built, strict=True)}
         for seq in seqs:
             self.scheduler.add(seq)  # raises before anything else changed for seq 0
         self.requests[gen.request_id] = _Request(gen.request_id, seqs, gen.deadline,
-                                                 matchers=matchers)
+                                                 matchers=by_seq)
         self.prompt_tokens += len(gen.prompt_token_ids)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[m.TokenOutput]:

@@ -2,8 +2,9 @@
 
 The main thread owns the model and runs the engine loop:
 
-    drain inbound (Generate/Cancel/Reset) -> abort expired -> engine.step() -> push the step's
-    token frames as one StepOutputs message
+    drain inbound (Generate/Cancel/Reset; a request with a grammar first waits for its
+    matchers, built on another thread: grammar_builds) -> abort expired -> engine.step() -> push
+    the step's token frames as one StepOutputs message
 
 and never waits on the network: the link's I/O thread owns the socket. Hello is sent only after
 the model is loaded, so the gateway's readiness follows the model's.
@@ -24,6 +25,7 @@ from typing import Any
 from common.jsonlog import setup_logging
 from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
+from engine_worker.grammar_builds import GrammarBuilds
 from engine_worker.naming import served_names
 from protocol import messages as m
 from protocol.codec import tokenizer_digest
@@ -52,6 +54,8 @@ class WorkerLoop:
         # One span per request when an OTLP endpoint is set (None: off, nothing imported).
         self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
                                           getattr(getattr(link, "hello", None), "worker_id", ""))
+        compiler = getattr(engine, "grammars", None)  # None: no structured output here
+        self.builds = GrammarBuilds(compiler) if compiler is not None else None
 
     def run(self) -> int:
         self.was_busy = False
@@ -59,6 +63,8 @@ class WorkerLoop:
             if self.link.rejected is not None:
                 return 3
             self._drain_inbound(block=not self.engine.has_work)
+            for gen, built in self.builds.ready() if self.builds else []:
+                self._add(gen, built)
             for rid in self.engine.expired(time.time()):
                 self._send_all(self.engine.abort(rid, "timeout"))
             # The engine stamps a request's first frame with its time since first scheduled.
@@ -77,7 +83,11 @@ class WorkerLoop:
                 if overdue:
                     for rid in list(self.engine.requests):
                         self._send_all(self.engine.abort(rid, "abort"))
-                if not self.engine.has_work:
+                    for rid in list(self.builds.pending if self.builds else []):
+                        self._add(self.builds.pending[rid][0], ValueError("worker is "
+                                                                          "shutting down"))
+                        self.builds.drop(rid)
+                if not self.engine.has_work and not self.builds:
                     return 0
 
     def _drain_inbound(self, block: bool) -> None:
@@ -101,23 +111,40 @@ class WorkerLoop:
                 "prompt_tokens": len(msg.prompt_token_ids)}})
             if self.tracer is not None:
                 self.tracer.received(msg)
-            try:
-                self.engine.add(msg)
-            except ValueError as exc:
-                if self.tracer is not None:
-                    self.tracer.refused(msg.request_id, str(exc))
-                self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
+            if msg.grammar is not None and self.builds is not None:
+                self.builds.start(msg)  # joins the engine when its matchers are built
                 return
+            self._add(msg, None)
         elif isinstance(msg, m.Cancel) and msg.index is not None:
             self._send_all(self.engine.abort_choice(msg.request_id, msg.index))
         elif isinstance(msg, m.Cancel):
+            if self.builds is not None:
+                self.builds.drop(msg.request_id)
             self._send_all(self.engine.abort(msg.request_id, "abort"))
             # The request has ended (its end, if it had one here, was logged by the line above
             # and took the arrival time with it): nothing else will pop it now.
             self.link.cancel_arrivals.pop(msg.request_id, None)
         elif isinstance(msg, m.Reset):  # the requests of the gateway that sent it
-            for rid in self.link.reset_scope(msg, list(self.engine.requests)):
-                self._send_all(self.engine.abort(rid, "abort"))
+            building = list(self.builds.pending) if self.builds else []
+            for rid in self.link.reset_scope(msg, list(self.engine.requests) + building):
+                if not (self.builds and self.builds.drop(rid)):
+                    self._send_all(self.engine.abort(rid, "abort"))
+
+    def _add(self, msg: m.Generate, built: Any) -> None:
+        """Into the engine (with its grammar's matchers, built), or a RequestError."""
+        try:
+            if isinstance(built, ValueError):  # GrammarError included
+                raise built
+            if isinstance(built, BaseException):  # the library's own failure: summarised
+                raise ValueError(f"the grammar did not build: {type(built).__name__}")
+            if built is None:
+                self.engine.add(msg)
+            else:
+                self.engine.add(msg, built)
+        except ValueError as exc:
+            if self.tracer is not None:
+                self.tracer.refused(msg.request_id, str(exc))
+            self.out.send(m.RequestError(msg.request_id, str(exc), "invalid_request"))
 
     def _send_all(self, outputs: list[m.TokenOutput]) -> None:
         """One StepOutputs message for all of a step's (or an abort's) token frames."""

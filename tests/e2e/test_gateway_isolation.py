@@ -238,3 +238,39 @@ def test_a_clients_third_large_body_is_refused_before_it_is_read(tiny_model_dir:
                 break
             time.sleep(0.1)
         assert resp.status_code == 200, resp.text
+
+
+def test_a_large_grammar_is_built_without_stalling_running_streams(tiny_model_dir: Path) -> None:
+    """Issue 23 (found by bench_isolation): the worker built a request's llguidance matcher on
+    its engine loop, ~0.5 s for a 540 KB grammar, and every running sequence waited that long,
+    for each such request. Now it is built on a thread of its own, and the stream keeps its pace.
+    """
+    with GatewayProc() as gw, WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1"):
+        gw.wait_ready()
+        gaps: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=60, json={
+                    "model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}) as resp:
+                last = None
+                for line in resp.iter_lines():
+                    now = time.monotonic()
+                    if last is not None and line.startswith("data: {"):
+                        gaps.append(now - last)
+                    last = now
+
+        def constrained(i: int) -> httpx.Response:
+            return httpx.post(gw.base_url + "/v1/chat/completions", timeout=60, json={
+                "model": tiny_model_dir.name, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "json"}],
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "deep", "schema": deep_schema(leaf=f"variant {i}")}}})
+
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(stream)
+            time.sleep(0.3)
+            for i in range(2):
+                assert constrained(i).status_code == 200
+            streaming.result(timeout=60)
+        assert len(gaps) > 100 and max(gaps) < 0.25, (len(gaps), sorted(gaps)[-5:])
