@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from starlette.requests import Request
 
 from gateway.errors import too_many_requests
+from gateway.offload import Shares
 
 MIN_BYTES = 64 * 1024
 PER_CLIENT = 2
@@ -28,10 +29,9 @@ PER_CLIENT = 2
 class Heavy:
     def __init__(self, per_client: int = PER_CLIENT, min_bytes: int = MIN_BYTES,
                  rejections: Counter | None = None) -> None:
-        self.per_client = per_client
         self.min_bytes = min_bytes
         self.rejections = rejections  # kestrel_rejections_total, labelled by reason
-        self.by_client: dict[str, int] = {}  # only clients holding a share: bounded
+        self.shares = Shares(per_client)
 
     def is_heavy(self, request: Request) -> bool:
         declared = request.headers.get("content-length", "")
@@ -42,18 +42,14 @@ class Heavy:
         if not self.is_heavy(request):
             yield
             return
-        held = self.by_client.get(client, 0)
-        if held >= self.per_client:
+        if not self.shares.take(client):
             if self.rejections is not None:
                 self.rejections.labels("heavy_bodies").inc()
             raise too_many_requests(
-                f"at most {self.per_client} requests with bodies over {self.min_bytes // 1024} "
-                "KB at once from one client; retry when one has been answered",
-                "server_busy", 1.0)
-        self.by_client[client] = held + 1
+                f"at most {self.shares.per_client} requests with bodies over "
+                f"{self.min_bytes // 1024} KB at once from one client; retry when one has been "
+                "answered", "server_busy", 1.0)
         try:
             yield
         finally:
-            left = self.by_client.pop(client, 1) - 1
-            if left > 0:
-                self.by_client[client] = left
+            self.shares.give(client)

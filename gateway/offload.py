@@ -46,6 +46,32 @@ class Busy(Exception):
 
 
 @dataclass
+class Shares:
+    """What each client holds of something limited to `per_client` at once (0: no limit);
+    a client that holds nothing is forgotten, so the map stays as small as the clients using it."""
+
+    per_client: int
+    held: dict[str, int] = field(default_factory=dict)
+
+    def take(self, client: str | None) -> bool:
+        """One more for `client` (None: nobody's, never limited); False when it has its share."""
+        if not self.per_client or client is None:
+            return True
+        n = self.held.get(client, 0)
+        if n >= self.per_client:
+            return False
+        self.held[client] = n + 1
+        return True
+
+    def give(self, client: str | None) -> None:
+        if not self.per_client or client is None:
+            return
+        left = self.held.pop(client, 1) - 1
+        if left > 0:
+            self.held[client] = left
+
+
+@dataclass
 class Pool:
     kind: str
     threads: int
@@ -53,11 +79,17 @@ class Pool:
     per_client: int = 0  # 0: no per-client share
     per_key: int = 0  # 0: any number of threads for one key's jobs
     busy: int = 0  # running + waiting
-    by_client: dict[str, int] = field(default_factory=dict)
     _queue: deque[tuple[Any, ...]] = field(default_factory=deque)  # guarded by _cond
     _running: dict[str, int] = field(default_factory=dict)  # key -> jobs running; by _cond
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _started: bool = False
+
+    def __post_init__(self) -> None:
+        self._shares = Shares(self.per_client)
+
+    @property
+    def by_client(self) -> dict[str, int]:
+        return self._shares.held
 
     def _start(self) -> None:
         for i in range(self.threads):
@@ -101,10 +133,8 @@ class Pool:
                   key: str | None = None) -> T:
         if self.busy >= self.threads + self.waiting:
             raise Busy(self.kind, per_client=False)
-        if self.per_client and client is not None:
-            if self.by_client.get(client, 0) >= self.per_client:
-                raise Busy(self.kind, per_client=True)
-            self.by_client[client] = self.by_client.get(client, 0) + 1
+        if not self._shares.take(client):
+            raise Busy(self.kind, per_client=True)
         if not self._started:
             self._start()
         self.busy += 1
@@ -125,10 +155,7 @@ class Pool:
             # with a traceback as "Future exception was never retrieved".
             fut.exception()
         self.busy -= 1
-        if self.per_client and client is not None:
-            left = self.by_client.pop(client, 1) - 1
-            if left > 0:
-                self.by_client[client] = left
+        self._shares.give(client)
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
