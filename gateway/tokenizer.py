@@ -34,7 +34,7 @@ from protocol.messages import TokenizerInfo
 
 # The longest chat template compiled. Those of the models we serve are 1-3 KB; a template of
 # dense `if` blocks costs ~20 ms of CPU per KB to compile (Ice Lake), part of it in one call that
-# holds the GIL: a 1.2 MB one took 23 s and ~250 MB.
+# holds the GIL: a 1.2 MB one took 23 s, the process reaching 263 MB.
 # Past the limit, the model serves completions but not chat.
 MAX_TEMPLATE_CHARS = 128 * 1024
 
