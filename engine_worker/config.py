@@ -15,6 +15,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PAGED_ATTENTION_MODES = ("auto", "gather")
+DECODE_STACK_MODES = ("auto", "off")
 COMPILE_MODES = ("off", "decode")  # the runner's decode paths: eager, or compiled one-token steps
 
 
@@ -66,6 +67,10 @@ class WorkerConfig:
                                    "paged KV cache in place; built for this host on the first "
                                    "start, ~10 s, kept in the cache dir; gather where it cannot "
                                    "build) or gather (copy each context, then SDPA)")
+    decode_stack: str = setting("auto", "GGUF layers on the integer-dot kernel (CPU): auto runs "
+                                "a step's decode rows through every layer in one C++ call "
+                                "(built on the first start, kept in the cache dir); off: layer "
+                                "by layer in Python, the reference")
     compile: str = setting("off", "decode: run one-token decode steps through torch.compile "
                            "graphs (batch and context padded to power-of-two buckets, each "
                            "compiled on first use: 40-100 s a bucket on 2 cores, ~5-10 s from "
@@ -117,6 +122,7 @@ class WorkerConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
+        check_choice("decode_stack", self.decode_stack, DECODE_STACK_MODES)
         check_choice("compile", self.compile, COMPILE_MODES)
         check_choice("quant_group_size", self.quant_group_size, QUANT_GROUP_SIZES)
         check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)

@@ -22,6 +22,7 @@ import torch
 
 from engine_worker.compiled_step import CompiledDecode
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
+from engine_worker.model import decode_stack
 from engine_worker.model.attention import Attention, AttnMeta, PrefillSpan
 from engine_worker.model.builder import build_model
 from engine_worker.model.loader import load_config
@@ -69,6 +70,11 @@ class ModelRunner:
         self.config = self.model.config
         self.paged_attention = load_paged_attention(cfg.paged_attention, self.device,
                                                     self.dtype, cfg.cache_dir)
+        # the C++ decode stack serves only paged, float32 decodes: built where those are on
+        self.decode_stack = (decode_stack.build(self.model, cfg.cache_dir)
+                             if cfg.decode_stack == "auto" and self.paged_attention.enabled
+                             and self.dtype == torch.float32 and self.device.type == "cpu"
+                             else None)
         self.set_paged_attention(self.paged_attention.enabled)
         self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
         self.kv_cache = KVCache(self.config, cache_blocks, block_size, self.dtype, self.device)
@@ -87,6 +93,15 @@ class ModelRunner:
         for mod in self.model.modules():
             if isinstance(mod, Attention):
                 mod.paged_decode = on
+        self.set_decode_stack(on and self.decode_stack is not None)
+
+    def set_decode_stack(self, on: bool) -> None:
+        """Decode rows through the C++ stack (True; it must have been built) or the Python
+        layers (model/decode_stack.py; the stack reads the cache in place, so paged only)."""
+        if on and (self.decode_stack is None or not self.paged_decode):
+            raise ValueError("the decode stack serves this runner only with paged attention, "
+                             "and only where it was built")
+        self.model.decode_stack = self.decode_stack if on else None
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine_worker.config import (
     COMPILE_MODES,
+    DECODE_STACK_MODES,
     PAGED_ATTENTION_MODES,
     QUANT_GROUP_SIZES,
     QUANTIZATIONS,
@@ -47,6 +48,8 @@ class RunnerConfig:
     # "auto" reads decode contexts in place with the C++ kernel where it builds; "gather"
     # copies them.
     paged_attention: str = "auto"
+    # "auto": decode rows through the C++ decode stack where it serves (model/decode_stack.py)
+    decode_stack: str = "auto"
     compile_mode: str = "off"  # "decode": torch.compile one-token decode steps
     block_size: int = 16
     max_model_len: int | None = None  # None: the checkpoint's context clamped to the KV capacity
@@ -64,6 +67,7 @@ class RunnerConfig:
         check_choice("group_size", self.group_size, QUANT_GROUP_SIZES)
         check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
         check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
+        check_choice("decode_stack", self.decode_stack, DECODE_STACK_MODES)
         if self.gguf_path is not None and (self.quantization != "none"
                                            or self.dtype != "float32"):
             raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
@@ -97,6 +101,7 @@ class RunnerConfig:
             group_size=cfg.quant_group_size,
             dense_min_rows=cfg.dense_min_rows,
             paged_attention=cfg.paged_attention,
+            decode_stack=cfg.decode_stack,
             compile_mode=cfg.compile,
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len or None,

@@ -18,7 +18,7 @@ reads of the same K/V. CUDA keeps `enable_gqa` (not measured there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,14 @@ class AttnMeta:
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+    def prefill_rows(self) -> AttnMeta:
+        """The same step without its decode rows: the prefill spans alone, from row 0."""
+        b = self.num_decode
+        return AttnMeta(
+            slot_mapping=None if self.slot_mapping is None else self.slot_mapping[b:],
+            block_size=self.block_size,
+            prefills=[replace(s, begin=s.begin - b) for s in self.prefills])
 
 
 class Attention(nn.Module):

@@ -9,6 +9,10 @@ Data flow of one forward:
                     -> o_proj + residual -> RMSNorm -> SwiGLU MLP + residual
       -> rows at logits_indices -> RMSNorm -> LM head -> float32 logits (M, V)
 
+Where the runner has built one (GGUF layers on the integer-dot kernel, CPU), the decode rows
+of a step go through every layer in one C++ call instead (model/decode_stack.py: the same ops,
+bit for bit), and the prefill rows through the layers here on their own.
+
 The batch layout and attention are in attention.py; RoPE, the CPU-tuned linear and RMSNorm in
 layers.py.
 
@@ -18,6 +22,8 @@ statistics in float32, as transformers does); logits are returned in float32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +93,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
+        # Decode rows through one C++ call for every layer (model/decode_stack.py); the model
+        # runner sets it where it can serve, None keeps the Python layers for every row.
+        self.decode_stack: Callable[..., torch.Tensor] | None = None
 
     def init_rope(
         self, max_positions: int, device: torch.device | None = None,
@@ -114,6 +123,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.use_k_major()
 
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                kv_cache: KVCache | None) -> torch.Tensor:
+        for i, layer in enumerate(self.model.layers):
+            k_cache = kv_cache.k[i] if kv_cache is not None else None
+            v_cache = kv_cache.v[i] if kv_cache is not None else None
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        return x
+
     @property
     def max_positions(self) -> int:
         return 0 if self.rope_cos is None else self.rope_cos.shape[0]
@@ -131,10 +148,19 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos.index_select(0, positions)  # (N, 1, D)
         sin = self.rope_sin.index_select(0, positions)
         x = self.model.embed_tokens(input_ids)  # (N, C)
-        for i, layer in enumerate(self.model.layers):
-            k_cache = kv_cache.k[i] if kv_cache is not None else None
-            v_cache = kv_cache.v[i] if kv_cache is not None else None
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        b = meta.num_decode
+        if self.decode_stack is not None and b and kv_cache is not None \
+                and x.dtype == kv_cache.dtype == torch.float32 \
+                and not torch.compiler.is_compiling():
+            # decode rows through the C++ stack (model/decode_stack.py), prefill rows apart
+            xd = self.decode_stack(x[:b], cos[:b], sin[:b], kv_cache, meta)  # (B, C)
+            if b == x.shape[0]:
+                x = xd
+            else:
+                rest = self._layers(x[b:], cos[b:], sin[b:], meta.prefill_rows(), kv_cache)
+                x = torch.cat((xd, rest))
+        else:
+            x = self._layers(x, cos, sin, meta, kv_cache)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # (M, C): only rows we sample from
         x = self.model.norm(x)

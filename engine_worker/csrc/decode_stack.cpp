@@ -1,0 +1,229 @@
+// A whole decoder stack's decode rows in one call (issue 21): the layers of model/llama.py for
+// one-token rows whose every linear is an integer-dot layer, with nothing between the ops but
+// C++. Profiled on the Ice Lake, a batch-1 decode step spent more time in the ~25 Python-level
+// torch calls per layer around the matmuls (RMSNorm's pieces, RoPE's chunk/cat/mul, index_copy,
+// views, the residual adds) than in the matmuls themselves.
+//
+// Per layer, the same ops in the same order as the Python layer, so that a row computed here is
+// bit for bit the row the Python layers compute (tests/engine_worker/test_decode_stack.py):
+//
+//   h = rms_norm(x, w1)                          aten::rms_norm, as F.rms_norm
+//   qkv = int_dot(h) + bias                      kestrel::int_dot_<fmt> through the dispatcher
+//   q, k = rope(qkv[:, :H+Hkv])                  x*cos + rot(x)*sin, each product rounded
+//   k_cache[slot], v_cache[slot] = k, v
+//   o = paged_decode_attention(q, caches, table, lens)
+//   x = x + int_dot_o(o) + bias
+//   h = rms_norm(x, w2); g, u = int_dot_gate_up(h) + bias
+//   x = x + int_dot_down(silu(g) * u) + bias
+//
+// The matmul and attention kernels are the libraries built beside this one (int_dot.cpp,
+// paged_attention.cpp), reached through torch's dispatcher, so each stays in one place.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using MmOffset = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, int64_t);
+using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, int64_t);
+
+c10::OperatorHandle find_op(const std::string& name) {
+  auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+  TORCH_CHECK(op.has_value(), "decode_stack: ", name, " is not registered (load it first)");
+  return *op;
+}
+
+struct Part {
+  at::Tensor qs, d;
+  c10::optional<at::Tensor> m, bias;
+  int64_t n = 0, k = 0;
+  c10::optional<c10::TypedOperatorHandle<Mm>> op;
+  c10::optional<c10::TypedOperatorHandle<MmOffset>> op_offset;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = op_offset ? op_offset->call(x, qs, d, *m, n) : op->call(x, qs, d, n);
+    return bias ? y + *bias : y;
+  }
+};
+
+// One matmul, or matrices over one input in different formats (model/gguf_native.py's Parts:
+// a file's q|k in Q4_K with v in Q6_K), their outputs side by side.
+struct Linear {
+  std::vector<Part> parts;
+  int64_t n = 0, k = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (parts.size() == 1) return parts[0](x);
+    std::vector<at::Tensor> ys;
+    for (const Part& p : parts) ys.push_back(p(x));
+    return at::cat(ys, -1);
+  }
+};
+
+struct Layer {
+  at::Tensor norm1, norm2;
+  Linear qkv, o, gate_up, down;
+};
+
+// RoPE on the first `heads` heads of each row of qkv (B, heads_all, D), written to out
+// (B, heads, D): out = x*cos + rot(x)*sin_signed, rot(x) = (x2, x1). Each product is rounded
+// on its own and then summed, as the Python path's three tensor ops do: no fused multiply-add.
+__attribute__((optimize("fp-contract=off"))) void rope(const float* qkv, int64_t b,
+                                                         int64_t heads_all, int64_t heads,
+                                                         int64_t d, const float* cos,
+                                                         const float* sin, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < b; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const float* x = qkv + (r * heads_all + hh) * d;
+      float* y = out + (r * heads + hh) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float rot = i < half ? x[i + half] : x[i - half];
+        const float a = x[i] * c[i];
+        const float bb = rot * s[i];
+        y[i] = a + bb;
+      }
+    }
+  }
+}
+
+struct DecodeStack : torch::CustomClassHolder {
+  int64_t h, hkv, d;
+  double eps;
+  std::vector<Part> parts;
+  std::vector<Linear> pending;
+  std::vector<Layer> layers;
+  c10::TypedOperatorHandle<Attn> attn;
+
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double rms_eps)
+      : h(heads), hkv(kv_heads), d(head_dim), eps(rms_eps),
+        attn(find_op("kestrel::paged_decode_attention").typed<Attn>()) {
+    TORCH_CHECK(h > 0 && hkv > 0 && h % hkv == 0 && d > 0 && d % 2 == 0,
+                "decode_stack: bad head sizes");
+  }
+
+  // One matrix of the linear being added (add_part ... end_linear).
+  void add_part(const std::string& fmt, at::Tensor qs, at::Tensor dd,
+                c10::optional<at::Tensor> m, int64_t n, int64_t k,
+                c10::optional<at::Tensor> bias) {
+    Part p;
+    p.qs = std::move(qs);
+    p.d = std::move(dd);
+    p.m = std::move(m);
+    p.n = n;
+    p.k = k;
+    p.bias = std::move(bias);
+    auto op = find_op("kestrel::int_dot_" + fmt);
+    if (p.m)
+      p.op_offset = op.typed<MmOffset>();
+    else
+      p.op = op.typed<Mm>();
+    TORCH_CHECK(parts.empty() || parts[0].k == k, "decode_stack: parts of one linear differ in K");
+    parts.push_back(std::move(p));
+  }
+
+  void end_linear() {
+    TORCH_CHECK(!parts.empty(), "decode_stack: a linear needs at least one part");
+    Linear lin;
+    lin.k = parts[0].k;
+    for (const Part& p : parts) lin.n += p.n;
+    lin.parts = std::move(parts);
+    parts.clear();
+    pending.push_back(std::move(lin));
+  }
+
+  // The four linears added last, in the order q|k|v, o, gate|up, down, become one layer.
+  void add_layer(at::Tensor norm1, at::Tensor norm2) {
+    TORCH_CHECK(pending.size() == 4, "decode_stack: add_layer needs 4 linears, got ",
+                pending.size());
+    const int64_t c = norm1.numel();
+    const Linear &qkv = pending[0], &o = pending[1], &gu = pending[2], &dn = pending[3];
+    TORCH_CHECK(norm1.scalar_type() == at::kFloat && norm2.scalar_type() == at::kFloat &&
+                    norm2.numel() == c,
+                "decode_stack: norms must be float32 of one size");
+    TORCH_CHECK(qkv.k == c && qkv.n == (h + 2 * hkv) * d && o.k == h * d && o.n == c &&
+                    gu.k == c && gu.n % 2 == 0 && dn.k == gu.n / 2 && dn.n == c,
+                "decode_stack: linear shapes do not chain");
+    layers.push_back({std::move(norm1), std::move(norm2), pending[0], pending[1], pending[2],
+                      pending[3]});
+    pending.clear();
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // x (B, C) float32, the embedded decode rows; cos, sin (B, D) at their positions; caches per
+  // layer (slots, Hkv, D) float32; slots (B,), table (B, nblk), lens (B,) int64.
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slots,
+                     const at::Tensor& table, const at::Tensor& lens, int64_t block_size) {
+    const int64_t b = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && b >= 1,
+                "decode_stack: x must be (B, C) float32");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
+                    v_caches.size() == k_caches.size(),
+                "decode_stack: one K and one V cache per layer");
+    at::Tensor cs = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
+    TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.numel() == b * d && sn.numel() == b * d,
+                "decode_stack: cos and sin must be (B, D) float32");
+    TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == b, "decode_stack: slots (B,)");
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    const int64_t all = h + 2 * hkv;
+    std::vector<int64_t> shape{x.size(1)};
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+      TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
+                      kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
+                      kc.size(1) == hkv && kc.size(2) == d && vc.sizes() == kc.sizes(),
+                  "decode_stack: caches must be contiguous float32 (slots, Hkv, D)");
+      at::Tensor qkv = L.qkv(at::rms_norm(x, shape, L.norm1, eps)).contiguous();  // (B, all*D)
+      at::Tensor qk = at::empty({b, h + hkv, d}, x.options());
+      const float* src = qkv.data_ptr<float>();
+      rope(src, b, all, h + hkv, d, cs.data_ptr<float>(), sn.data_ptr<float>(),
+           qk.data_ptr<float>());
+      float* kp = kc.data_ptr<float>();
+      float* vp = vc.data_ptr<float>();
+      const int64_t slots_total = kc.size(0), row = hkv * d;
+      for (int64_t r = 0; r < b; ++r) {
+        TORCH_CHECK(sp[r] >= 0 && sp[r] < slots_total, "decode_stack: slot ", sp[r],
+                    " out of range");
+        std::memcpy(kp + sp[r] * row, qk.data_ptr<float>() + (r * (h + hkv) + h) * d,
+                    row * sizeof(float));
+        std::memcpy(vp + sp[r] * row, src + (r * all + h + hkv) * d, row * sizeof(float));
+      }
+      at::Tensor o = attn.call(qk.narrow(1, 0, h), kc, vc, table, lens, block_size);
+      x = x + L.o(o.reshape({b, h * d}));
+      at::Tensor gu = L.gate_up(at::rms_norm(x, shape, L.norm2, eps));
+      const int64_t inter = gu.size(1) / 2;
+      at::Tensor a = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+      x = x + L.down(a);
+    }
+    return x;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kestrel, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double>())
+      .def("add_part", &DecodeStack::add_part)
+      .def("end_linear", &DecodeStack::end_linear)
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+  // what kernel_build.load_kernel looks for to know the library is loaded
+  m.def("decode_stack_loaded() -> bool", []() { return true; });
+}

@@ -1,0 +1,82 @@
+"""The C++ decode stack (engine_worker/model/decode_stack.py, csrc/decode_stack.cpp): a step's
+decode rows through every layer in one call give bit for bit the logits and the K/V the Python
+layers give them, for each family of tiny K-quant files (Qwen2's biases, Llama 3.1's RoPE
+scaling, mixed block formats), and a decode row's logits no longer depend on a prefill chunk in
+its step (the real SmolLM2 file, whose layers leave the integer-dot kernel from 17 rows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_worker.model.config import ModelConfig
+from engine_worker.model_runner import ModelRunner
+from engine_worker.runner_config import RunnerConfig
+from engine_worker.step import StepItem
+from tests.engine_worker.test_gguf_kquants import PROMPT, family  # noqa: F401
+
+# three sequences, block tables of 4 blocks of 16 slots each
+TABLES = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+
+
+def _decode_both_ways(runner: ModelRunner, items: list[StepItem]) -> list[tuple[torch.Tensor,
+                                                                              list[torch.Tensor]]]:
+    """The step's logits and the K cache it leaves, through the stack then the Python layers,
+    each from the same cache."""
+    kv = runner.kv_cache
+    saved = [t.clone() for t in kv.k + kv.v]
+    out = []
+    for on in (True, False):
+        for t, s in zip(kv.k + kv.v, saved, strict=True):
+            t.copy_(s)
+        runner.set_decode_stack(on)
+        logits = runner.execute(items)
+        out.append((logits, [t.clone() for t in kv.k + kv.v]))
+    runner.set_decode_stack(True)
+    return out
+
+
+def test_decode_rows_through_the_stack_equal_the_python_layers_bit_for_bit(
+        int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig]) -> None:  # noqa: F811
+    kind, path, ref, _ = family
+    runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
+    assert runner.decode_stack is not None, "every K-quant layer takes the integer-dot kernel"
+    prompts = [PROMPT, PROMPT[:7], PROMPT[3:]]
+    for p, table in zip(prompts, TABLES, strict=True):
+        runner.execute([StepItem(p, 0, table)])
+    items = [StepItem([40 + i], len(p), t)
+             for i, (p, t) in enumerate(zip(prompts, TABLES, strict=True))]
+    (fast, fast_kv), (slow, slow_kv) = _decode_both_ways(runner, items)
+    assert fast.shape == (3, runner.config.vocab_size)
+    assert torch.equal(fast, slow), kind
+    assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv, strict=True))  # the K/V it wrote
+    # and a changed input changes the output: the stack computed, it did not pass through
+    other = [StepItem([41], len(prompts[0]), TABLES[0])]
+    assert not torch.equal(_decode_both_ways(runner, other)[0][0][0], fast[0])
+
+
+def test_the_stack_is_refused_where_it_was_not_built(tiny_runner: ModelRunner) -> None:
+    assert tiny_runner.decode_stack is None  # float32 layers: nothing for the kernel
+    with pytest.raises(ValueError, match="decode stack"):
+        tiny_runner.set_decode_stack(True)
+
+
+@pytest.mark.smollm
+def test_a_decode_rows_logits_do_not_depend_on_a_prefill_chunk_in_its_step(
+        int_dot_kernel: None, smollm2_dir: Path) -> None:
+    runner = ModelRunner(RunnerConfig.from_settings("default", kv_cache_mb=16, max_num_seqs=4))
+    if runner.decode_stack is None:
+        pytest.skip("the measured paths serve no layer with the integer-dot kernel here")
+    a, b = [1, 504, 3458, 282, 4649, 314, 5417, 47], list(range(300, 400))  # 100-row chunk
+    runner.execute([StepItem(a, 0, TABLES[0])])
+    alone = runner.execute([StepItem([2], len(a), TABLES[0])])[0]
+    for on in (True, False):
+        runner.set_decode_stack(on)
+        both = runner.execute([StepItem([2], len(a), TABLES[0]),
+                               StepItem(b, 0, list(range(4, 12)))])
+        if on:
+            assert torch.equal(both[0], alone)
+        else:  # the Python layers run all 101 rows past the kernel's 16: other numerics
+            assert not torch.equal(both[0], alone)
