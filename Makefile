@@ -26,10 +26,12 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The engine's numerics tests again with torch, oneDNN and our kernels capped to AVX2 (what a
-# cloud VM without AVX512 runs): an AVX512 machine proves that host's path too. CI runs both.
+# cloud VM without AVX512 runs), and the end-to-end batch-invariance test (its worker inherits the
+# caps): an AVX512 machine proves that host's path too. CI runs both.
 AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KESTREL_CPU_ISA=avx2
 test-avx2: install
-	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q tests/engine_worker; \
+	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q tests/engine_worker \
+		tests/e2e/test_batch_invariance.py; \
 	else echo "no AVX2 on this CPU: nothing to cap"; fi
 
 lint: install
