@@ -1,8 +1,8 @@
 """llama.cpp's llama-server against ours, same GGUF, same streaming load, alternating in one run.
 
     python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
-        [--ours auto,float32,int4,auto+compile,auto+dense4] [--streams 1,16] [--requests-1 4]
-        [--requests-16 32] [--neighbour]
+        [--ours auto,float32,int4,auto+compile,auto+dense4,auto+nostack] [--streams 1,16]
+        [--requests-1 4] [--requests-16 32] [--neighbour]
 
 Data flow: for each round, for each server (llama-server if a binary is given, then ours in
 each mode of --ours; the order flips every round so neither always runs on a warmer machine):
@@ -11,7 +11,8 @@ streams (unique synthetic ~200-token prompts cut with SmolLM2's tokenizer, 128 n
 ignore_eos, completions API), stop it. Then print the table of the issue: ITL p50 at 1 stream,
 output tok/s at 1 and 16 streams, TTFT p50 at 1 stream (the median over rounds of each figure).
 Without --llama-server its column is skipped, with a message saying so. A mode's "+compile"
-adds --compile decode, "+denseN" pins --dense-min-rows N (the measured choice otherwise).
+adds --compile decode, "+denseN" pins --dense-min-rows N (the measured choice otherwise),
+"+nostack" runs decode rows layer by layer in Python (--decode-stack off).
 --neighbour keeps one core busy (a process spinning, pinned to CPU 0) for the whole run: a host
 shared with other work.
 """
@@ -51,7 +52,8 @@ def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess
 
 def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[bytes]:
     """mode: a --dtype (auto, float32, ...) or int8/int4 (--quantization, float32 activations),
-    with "+compile" for --compile decode (e.g. auto+compile), "+denseN" for --dense-min-rows N."""
+    with "+compile" for --compile decode (e.g. auto+compile), "+denseN" for --dense-min-rows N,
+    "+nostack" for --decode-stack off."""
     mode, *extras = mode.split("+")
     dense = next((x.removeprefix("dense") for x in extras if x.startswith("dense")), "-1")
     quant = mode if mode in ("int8", "int4") else "none"
@@ -59,6 +61,7 @@ def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[byte
            "KESTREL_QUANTIZATION": quant,
            "KESTREL_COMPILE": "decode" if "compile" in extras else "off",
            "KESTREL_DENSE_MIN_ROWS": dense,
+           "KESTREL_DECODE_STACK": "off" if "nostack" in extras else "auto",
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
     return subprocess.Popen([sys.executable, "-m", "kestrel.serve"], cwd=ROOT, env=env,
