@@ -11,8 +11,9 @@
 
 Why: at batch 1 the Python-level torch calls around the matmuls (RMSNorm's pieces, RoPE's
 chunk/cat/mul, index_copy, views, residual adds; ~25 per layer) took longer than the matmuls on
-the Ice Lake. The C++ stack runs the same ops in the same order, so a row is bit for bit what
-the Python layers give it when they take the integer-dot kernel; and a decode row's result no
+the Ice Lake. The C++ stack runs the same ops in the same order (its RMSNorm, which the model's
+Python norms then call too, for every row), so a row is bit for bit what the Python layers give
+it when they take the integer-dot kernel; and a decode row's result no
 longer depends on the step around it: the rows of a prefill chunk sharing its step, which
 once moved every row to another kernel from some row count up, run apart.
 """
@@ -105,5 +106,8 @@ def build(model: torch.nn.Module, cache_dir: str | Path) -> DecodeStack | None:
             stack.end_linear()
         stack.add_layer(layer.input_layernorm.weight.detach(),
                         layer.post_attention_layernorm.weight.detach())
+    for m in model.modules():
+        if isinstance(m, RMSNorm):  # the prefill rows' norms: the stack's numerics
+            m.kernel = True
     log.info("decode rows run through the C++ decode stack (%d layers)", stack.num_layers())
     return DecodeStack(stack)

@@ -104,8 +104,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # Set where the C++ decode stack serves the model (model/decode_stack.py): float32 CPU
+        # rows then take its norm, so every row of the model has one set of numerics.
+        self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return torch.ops.kestrel.rms_norm_rows(x, self.weight, self.eps)
         # One op instead of six. Statistics in float32 like the reference; float32 results match
         # it bit for bit, half precision within an ulp (it rounds once, after the scaling).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

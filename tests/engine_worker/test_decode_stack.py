@@ -80,3 +80,23 @@ def test_a_decode_rows_logits_do_not_depend_on_a_prefill_chunk_in_its_step(
             assert torch.equal(both[0], alone)
         else:  # the Python layers run all 101 rows past the kernel's 16: other numerics
             assert not torch.equal(both[0], alone)
+
+
+def test_the_stacks_rms_norm_is_the_float64_norm_within_float32_rounding(
+        int_dot_kernel: None, cache_dir: Path) -> None:
+    from engine_worker.model import decode_stack
+
+    decode_stack.load(cache_dir)
+    g = torch.Generator().manual_seed(0)
+    for rows, c in ((1, 576), (5, 896), (130, 1536), (3, 40)):  # 40: not a multiple of 8
+        x, w = torch.randn(rows, c, generator=g) * 3, torch.randn(c, generator=g)
+        want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) \
+            * w.double()
+        got = torch.ops.kestrel.rms_norm_rows(x, w, 1e-6)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        # two float32 roundings of each product after an exact-enough statistic
+        torch.testing.assert_close(got.double(), want, rtol=3e-7, atol=1e-6)
+    # a (B, 1, C) view is normed row by row as well
+    x, w = torch.randn(4, 1, 576, generator=g), torch.randn(576, generator=g)
+    flat = torch.ops.kestrel.rms_norm_rows(x.view(4, 576), w, 1e-5)
+    assert torch.equal(torch.ops.kestrel.rms_norm_rows(x, w, 1e-5), flat.view(4, 1, 576))
