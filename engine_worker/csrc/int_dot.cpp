@@ -7,9 +7,10 @@
 // Data flow of one call:
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
 //   ties to even, scale d = amax/127 in float32; plus the block's code sum for the weight
-//   formats with an offset, Q8_1-style) -> for each tile of 8 output rows (at::parallel_for over
-//   tiles), for each chunk of up to 4 activation rows, for each block: one integer dot of the
-//   block's 32 codes with each of the tile's 8 rows (int32, exact), then in float32
+//   formats with an offset, Q8_1-style) -> for each tile of 8 output rows (chunks of tiles
+//   taken by torch's threads as they come free: parallel_chunks), for each chunk of up to 4
+//   activation rows, for each block: one integer dot of the block's 32 codes with each of the
+//   tile's 8 rows (int32, exact), then in float32
 //   acc[i] = fma(float(isum_i), dw_i * dx, acc[i])   (+ fma(m_i, dx * sum(q), acc[i]) for Q4_1).
 //
 // Packed layouts (made once at load by engine_worker/int_dot.py from the GGUF bytes; N padded to
@@ -47,6 +48,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -469,6 +471,27 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
 }
 #endif
 
+// body(lo, hi) over [0, n) on torch's threads, each thread taking the next chunk of items as it
+// finishes one, as ggml's matmuls do, not a fixed share: a thread held off its core (the gateway
+// beside the worker, a neighbour's process) then delays the call by the chunk it holds, while the
+// others take the rest. The items are output tiles: who computes one changes none of its bits.
+template <class Body>
+void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                (n + min_chunk - 1) / min_chunk));
+  if (threads == 1 || at::in_parallel_region()) {
+    body(0, n);
+    return;
+  }
+  // about 8 chunks a thread: few enough that the shared counter costs nothing
+  const int64_t chunk = std::max<int64_t>(min_chunk, n / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t lo = next.fetch_add(chunk); lo < n; lo = next.fetch_add(chunk))
+      body(lo, std::min(n, lo + chunk));
+  });
+}
+
 template <Fmt F>
 at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                    const c10::optional<at::Tensor>& m, int64_t n) {
@@ -525,7 +548,7 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   // codes stay in cache; the weights are re-read once per group.
   for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
   const int64_t g1 = std::min(rows, g0 + kRowGroup);
-  at::parallel_for(0, items, 8 / per_item, [&](int64_t lo, int64_t hi) {
+  parallel_chunks(items, 8 / per_item, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t t = item * per_item;
       const uint8_t* tq = qp + t * blocks * pb;
