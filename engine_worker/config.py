@@ -104,7 +104,9 @@ class WorkerConfig:
                                                 "often than this pauses speculation a while")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
-    threads: int = setting(0, "torch CPU threads (0: torch's default)")
+    threads: int = setting(0, "torch CPU threads (0: torch's default, and where the decode "
+                           "stack serves, fewer while decode steps are measured faster with "
+                           "fewer: a host whose cores are shared)")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces, e.g. "
                                  "http://127.0.0.1:4318 (empty: tracing off; needs the otel extra)")

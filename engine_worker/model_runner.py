@@ -16,6 +16,7 @@ outside (block manager), and arrives here as block tables.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from engine_worker.model.quant import weight_bytes
 from engine_worker.paged_attention import load_paged_attention
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
+from engine_worker.thread_choice import ThreadChoice
 
 
 class ModelRunner:
@@ -76,6 +78,10 @@ class ModelRunner:
                              and self.dtype == torch.float32 and self.device.type == "cpu"
                              else None)
         self.set_paged_attention(self.paged_attention.enabled)
+        # --threads 0 on a stack-served model: the count is measured while serving
+        self.thread_choice = (ThreadChoice(torch.get_num_threads())
+                              if cfg.adapt_threads and self.decode_stack is not None
+                              and torch.get_num_threads() > 1 else None)
         self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
         self.kv_cache = KVCache(self.config, cache_blocks, block_size, self.dtype, self.device)
         self.compiled: CompiledDecode | None = None
@@ -112,7 +118,15 @@ class ModelRunner:
         if self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
         ids, positions, meta, rows = self._prepare(items)
-        return self.model(ids, positions, meta, self.kv_cache, rows)
+        choice = self.thread_choice if self.model.decode_stack is not None else None
+        if choice is None:
+            return self.model(ids, positions, meta, self.kv_cache, rows)
+        choice.threads()
+        t0 = time.perf_counter()
+        logits = self.model(ids, positions, meta, self.kv_cache, rows)
+        if meta.num_decode == ids.shape[0]:  # decode-only steps are the ones compared
+            choice.record(meta.num_decode, time.perf_counter() - t0)
+        return logits
 
     @torch.inference_mode()
     def forward_full(self, token_ids: list[int]) -> torch.Tensor:

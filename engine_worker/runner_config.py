@@ -55,6 +55,9 @@ class RunnerConfig:
     max_model_len: int | None = None  # None: the checkpoint's context clamped to the KV capacity
     max_num_seqs: int = 32  # the compiled graphs' largest batch
     num_threads: int | None = None  # torch CPU threads (process-wide; None: torch's default)
+    # With num_threads None: the count measured while serving where the decode stack serves
+    # (engine_worker/thread_choice.py); the worker's --threads 0
+    adapt_threads: bool = False
     # Where our C++ kernels are built once per host and Inductor keeps its graphs; without a
     # compiler the kernels are not used and torch's kernels (and the gather) serve instead.
     cache_dir: Path = field(default_factory=cache_dir_from_env)
@@ -107,6 +110,7 @@ class RunnerConfig:
             max_model_len=cfg.max_model_len or None,
             max_num_seqs=cfg.max_num_seqs,
             num_threads=cfg.threads or None,
+            adapt_threads=not cfg.threads,
             cache_dir=cache,
         )
 
@@ -128,7 +132,7 @@ class RunnerConfig:
                        draft_kv_budget_bytes=None,
                        dtype="float32" if gguf_path is not None else self.dtype,
                        quantization="none", dense_min_rows=AUTO, compile_mode="off",
-                       max_model_len=None, num_threads=None)
+                       max_model_len=None, num_threads=None, adapt_threads=False)
 
 
 
