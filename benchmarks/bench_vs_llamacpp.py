@@ -8,8 +8,10 @@ Data flow: for each round, for each server (llama-server if a binary is given, t
 each mode of --ours; the order flips every round so neither always runs on a warmer machine):
 start it on loopback, wait until ready, run `kestrel-loadgen run` in closed loop at 1 and at 16
 streams (unique synthetic ~200-token prompts cut with SmolLM2's tokenizer, 128 new tokens,
-ignore_eos, completions API), stop it. Then print the table of the issue: ITL p50 at 1 stream,
-output tok/s at 1 and 16 streams, TTFT p50 at 1 stream (the median over rounds of each figure).
+ignore_eos, completions API), then 16 prompts of 128 tokens at once with one new token each
+(prefill tokens/s: their prompt tokens over the run's time), stop it. Then print the table of
+the issue: ITL p50 at 1 stream, output tok/s at 1 and 16 streams, TTFT p50 at 1 stream, prefill
+tokens/s (the median over rounds of each figure).
 Without --llama-server its column is skipped, with a message saying so. A mode's "+compile"
 adds --compile decode, "+denseN" pins --dense-min-rows N (the measured choice otherwise),
 "+nostack" runs decode rows layer by layer in Python (--decode-stack off).
@@ -83,13 +85,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) ->
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
-def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int) -> dict:
+def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int,
+         prompt: int = PROMPT, output: int = OUTPUT) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         subprocess.run(
             [sys.executable, "-m", "loadgen.cli", "run", "--base-url", url + "/v1",
              "--mode", "closed", "--concurrency", str(streams), "--num-requests", str(requests),
-             "--prompt-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
+             "--prompt-len", f"fixed:{prompt}", "--output-len", f"fixed:{output}",
              "--tokenizer-json", str(tokenizer), "--seed", str(seed),
              # a new connection per request for both servers: llama-server closes idle
              # keep-alive connections as the client reuses them (a third of requests failed)
@@ -110,6 +113,8 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
         one = load(url, 1, args.requests_1, tokenizer, seed)
         many = load(url, 16, args.requests_16, tokenizer, seed + 1) if 16 in args.streams \
             else {"output_throughput": None, "num_requests": 0, "completed": 0}
+        # prefill: 16 prompts of 128 tokens at once, one new token each
+        pre = load(url, 16, 16, tokenizer, seed + 2, prompt=128, output=1)
     finally:
         proc.terminate()
         try:
@@ -119,6 +124,8 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
     nan = float("nan")  # a figure with no samples (every request failed) is null in the JSON
     row = {"itl_p50_1": one["itl"]["p50"] or nan, "tok_s_1": one["output_throughput"] or nan,
            "tok_s_16": many["output_throughput"] or nan, "ttft_p50_1": one["ttft"]["p50"] or nan,
+           "prefill_16x128": pre["prompt_tokens"] / pre["duration_s"] if pre["completed"] == 16
+           else nan,
            "failed": float(one["num_requests"] - one["completed"]
                            + many["num_requests"] - many["completed"])}
     print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             neighbour.kill()
     rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
             ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),
+            ("prefill tok/s, 16 x 128-token prompts at once", "prefill_16x128"),
             ("failed requests", "failed"))
     print("\n| | " + " | ".join(servers) + " |")
     print("|---" * (len(servers) + 1) + "|")
