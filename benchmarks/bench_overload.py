@@ -11,7 +11,7 @@ Printed per phase: outcomes, 429 head latency p50/p99, admitted requests that en
 and the admission gauges. Run from the repository root:
 
     python benchmarks/bench_overload.py [--model DIR] [--burst 400] [--seconds 60]
-                                        [--api-server-count 2]
+                                        [--api-server-count 2] [--timeout-in-body]
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ GAUGES = ("kestrel_requests_in_flight", "kestrel_requests_waiting",
 
 
 def body(args: argparse.Namespace) -> dict:
-    return {"prompt": "Once upon a time", "max_tokens": args.max_tokens, "ignore_eos": True,
-            "temperature": 0}
+    out = {"prompt": "Once upon a time", "max_tokens": args.max_tokens, "ignore_eos": True,
+           "temperature": 0}
+    if args.timeout_in_body:  # each request asks its own deadline; the server sets none
+        out["timeout"] = args.deadline
+    return out
 
 
 async def burst(url: str, args: argparse.Namespace) -> Summary:
@@ -126,13 +129,16 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--overload", type=float, default=10.0)
     p.add_argument("--deadline", type=float, default=30.0, help="the gateway's default")
+    p.add_argument("--timeout-in-body", action="store_true",
+                   help="each request asks `timeout: --deadline` itself (no server default)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip", default="", help="comma list of phases to skip: burst,poisson")
     p.add_argument("--api-server-count", type=int, default=1, help="gateway processes")
     args = p.parse_args()
     count = ["--api-server-count", str(args.api_server_count)] if args.api_server_count > 1 else []
-    with GatewayProc("--default-timeout-s", str(args.deadline), *count) as gw, \
+    deadline = [] if args.timeout_in_body else ["--default-timeout-s", str(args.deadline)]
+    with GatewayProc(*deadline, *count) as gw, \
             WorkerProc(args.model, links(gw, args.api_server_count), "--threads", str(args.threads),
                        "--max-num-seqs", str(args.max_num_seqs),
                        env={"KESTREL_LOG_LEVEL": "WARNING"}) as wk:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE] [--rounds 2]
         [--ours auto,float32,int4,auto+compile,auto+dense4,auto+nostack] [--streams 1,16]
-        [--requests-1 4] [--requests-16 32] [--neighbour]
+        [--requests-1 4] [--requests-16 32] [--prompt 200] [--neighbour]
 
 Data flow: for each round, for each server (llama-server if a binary is given, then ours in
 each mode of --ours; the order flips every round so neither always runs on a warmer machine):
@@ -44,8 +44,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_llama(binary: Path, gguf: Path, threads: int, port: int) -> subprocess.Popen[bytes]:
-    ctx = 16 * (PROMPT + OUTPUT + 64)  # -np 16 splits the context between the slots
+def start_llama(binary: Path, gguf: Path, threads: int, port: int,
+                prompt: int = PROMPT) -> subprocess.Popen[bytes]:
+    ctx = 16 * (prompt + OUTPUT + 64)  # -np 16 splits the context between the slots
     return subprocess.Popen(
         [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "16", "-c", str(ctx),
          "--host", "127.0.0.1", "--port", str(port)],
@@ -64,7 +65,7 @@ def start_ours(mode: str, gguf: Path | None, port: int) -> subprocess.Popen[byte
            "KESTREL_COMPILE": "decode" if "compile" in extras else "off",
            "KESTREL_DENSE_MIN_ROWS": dense,
            "KESTREL_DECODE_STACK": "off" if "nostack" in extras else "auto",
-           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_DEFAULT_TIMEOUT_S": "600",
+           "KESTREL_LOG_LEVEL": "WARNING",
            "KESTREL_MODEL": str(gguf) if gguf else "default"}
     return subprocess.Popen([sys.executable, "-m", "kestrel.serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -109,10 +110,12 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
         t0 = time.monotonic()
         wait_ready(url, proc)
         print(f"  {name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
-        load(url, 1, 1, tokenizer, seed + 7)  # warm-up (a compiled worker compiles), not counted
-        one = load(url, 1, args.requests_1, tokenizer, seed)
-        many = load(url, 16, args.requests_16, tokenizer, seed + 1) if 16 in args.streams \
-            else {"output_throughput": None, "num_requests": 0, "completed": 0}
+        load(url, 1, 1, tokenizer, seed + 7, args.prompt)  # warm-up, not counted
+        one = load(url, 1, args.requests_1, tokenizer, seed, args.prompt)
+        none = {"p50": None, "p99": None}
+        many = load(url, 16, args.requests_16, tokenizer, seed + 1, args.prompt) \
+            if 16 in args.streams else {"output_throughput": None, "num_requests": 0,
+                                        "completed": 0, "itl": none, "ttft": none}
         # prefill: 16 prompts of 128 tokens at once, one new token each
         pre = load(url, 16, 16, tokenizer, seed + 2, prompt=128, output=1)
     finally:
@@ -124,6 +127,9 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
     nan = float("nan")  # a figure with no samples (every request failed) is null in the JSON
     row = {"itl_p50_1": one["itl"]["p50"] or nan, "tok_s_1": one["output_throughput"] or nan,
            "tok_s_16": many["output_throughput"] or nan, "ttft_p50_1": one["ttft"]["p50"] or nan,
+           "itl_p50_16": many["itl"]["p50"] or nan, "itl_p99_16": many["itl"]["p99"] or nan,
+           "ttft_p50_16": many["ttft"]["p50"] or nan,
+           "finished_16": float(many["completed"]),
            "prefill_16x128": pre["prompt_tokens"] / pre["duration_s"] if pre["completed"] == 16
            else nan,
            "failed": float(one["num_requests"] - one["completed"]
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--requests-1", type=int, default=4)
     ap.add_argument("--requests-16", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens of each request")
     ap.add_argument("--neighbour", action="store_true",
                     help="a process keeps CPU 0 busy for the whole run")
     args = ap.parse_args(argv)
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 if name == "llama-server":
-                    proc = start_llama(args.llama_server, gguf, args.threads, port)
+                    proc = start_llama(args.llama_server, gguf, args.threads, port, args.prompt)
                 else:
                     proc = start_ours(modes[name], args.gguf, port)
                 results[name].append(measure(name, proc, url, args, tokenizer, seed=r * 10))
@@ -183,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             neighbour.kill()
     rows = (("ITL p50 at 1 stream (ms)", "itl_p50_1"), ("output tok/s, 1 stream", "tok_s_1"),
             ("output tok/s, 16 streams", "tok_s_16"), ("TTFT p50, 1 stream (ms)", "ttft_p50_1"),
+            ("ITL p50, 16 streams (ms)", "itl_p50_16"), ("ITL p99, 16 streams (ms)", "itl_p99_16"),
+            ("TTFT p50, 16 streams (ms)", "ttft_p50_16"),
+            (f"requests finished with all tokens, 16 streams (of {args.requests_16})",
+             "finished_16"),
             ("prefill tok/s, 16 x 128-token prompts at once", "prefill_16x128"),
             ("failed requests", "failed"))
     print("\n| | " + " | ".join(servers) + " |")
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in rows:
         cells = [f"{statistics.median(x[key] for x in results[s]):.1f}" for s in servers]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    print(f"\n{gguf.name}, prompts {PROMPT} tokens (unique), {OUTPUT} new tokens, ignore_eos, "
+    print(f"\n{gguf.name}, prompts {args.prompt} tokens (unique), {OUTPUT} new tokens, ignore_eos, "
           f"closed loop; {args.requests_1} requests at 1 stream, {args.requests_16} at 16; "
           f"median of {args.rounds} round(s)"
           + ("; a neighbour process kept CPU 0 busy throughout" if args.neighbour else ""))

@@ -86,7 +86,14 @@ class WorkerConfig:
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
                                  "context clamped to the KV capacity)")
     max_num_seqs: int = setting(32, "most sequences in the running batch")
-    max_num_batched_tokens: int = setting(512, "token budget of one engine step (chunked prefill)")
+    max_num_batched_tokens: int = setting(512, "most token rows one engine step computes (a cap: "
+                                          "a step's prompt rows are sized by its measured time, "
+                                          "see --step-prefill-share)")
+    step_prefill_share: float = setting(0.5, "while sequences decode, the share of a step's "
+                                        "time that prompt rows may take, by the step costs "
+                                        "measured on this host (0.5: a step carrying a prompt "
+                                        "chunk lasts at most 2x a decode step); 0: off, "
+                                        "--max-num-batched-tokens alone sizes steps")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
                                    flags=("--enable-prefix-caching",))
     link_secret_key: str = setting("", "this worker's CURVE secret certificate (NAME.key_secret "
@@ -140,6 +147,8 @@ class WorkerConfig:
             raise ValueError("max_model_len and threads must be >= 0, dense_min_rows >= -1")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
+        if not 0 <= self.step_prefill_share < 1:
+            raise ValueError("step_prefill_share must be in [0, 1)")
         if bool(self.link_secret_key) != bool(self.link_gateway_key):
             raise ValueError("link_secret_key and link_gateway_key go together")
         for name in ("link_secret_key", "link_gateway_key"):

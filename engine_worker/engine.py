@@ -28,6 +28,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.decoder import SpecDecoder
 from engine_worker.step import SamplerInput, ScheduledChunk, StepItem
+from engine_worker.step_costs import StepCosts
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.engine")
@@ -52,17 +53,22 @@ class Engine:
         enable_prefix_caching: bool = True,
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
+        prefill_share: float = 0.5,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.eos_token_ids = list(runner.config.eos_token_ids)
+        # Measured step costs size each step's prompt rows (0: the token budget alone); they are
+        # measured, and reported to the gateway, either way.
+        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.5)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=runner.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            prefill_rows=self.costs.prefill_rows if prefill_share > 0 else None,
         )
         self.sampler = Sampler()
         self.spec = spec
@@ -149,6 +155,7 @@ class Engine:
 
     def step(self) -> list[m.TokenOutput]:
         sched = self.scheduler
+        started = time.perf_counter()
         k = 0 if self.spec is None else self.spec.lookahead(sched.num_running,
                                                             sched.max_num_batched_tokens)
         chunks = sched.schedule(k)
@@ -162,7 +169,45 @@ class Engine:
         ])
         emitted, logprobs = self._sample(chunks, logits)
         sched.update(chunks, emitted)
+        decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
+        prefill_rows = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        self.costs.observe(decode_rows, prefill_rows, time.perf_counter() - started)
         return self._outputs(chunks, logprobs)
+
+    @torch.inference_mode()
+    def probe(self, decode_rows: tuple[int, ...] = (1, 16),
+              prefill_rows: tuple[int, ...] = (16, 32, 64)) -> None:
+        """Time a few step shapes before any request, so the first requests are sized and
+        admitted by a measurement of this host and model. Runs on blocks no sequence holds (at start every block is free and nothing is
+        cached); what it writes there is never read."""
+        bs, nblocks = self.runner.block_size, self.runner.num_blocks
+        context = min(4 * bs, self.runner.max_model_len - 1)  # a short decode context
+        per_row = -(-(context + 1) // bs)
+        shapes: list[list[StepItem]] = []
+        for d in decode_rows:
+            d = min(d, self.scheduler.max_num_seqs)
+            tables = [[(r * per_row + j) % nblocks for j in range(per_row)] for r in range(d)]
+            if any(len(set(t)) < len(t) for t in tables):
+                continue  # the cache is too small for a context this long
+            shapes.append([StepItem([0], context, t) for t in tables])
+        for p in prefill_rows:
+            p = min(p, self.runner.max_model_len, self.costs.max_rows, nblocks * bs)
+            if p > 1:
+                shapes.append([StepItem([0] * p, 0, list(range(-(-p // bs))))])
+        for items in shapes:
+            self.runner.execute(items)  # the first run of a shape may build what it needs
+            seconds = []
+            for _ in range(2):  # the least of two: a process starting beside it is no cost
+                started = time.perf_counter()
+                self.runner.execute(items)
+                seconds.append(time.perf_counter() - started)
+            one = len(items[0].token_ids) == 1
+            rows = len(items) if one else len(items[0].token_ids)
+            self.costs.observe(rows if one else 0, 0 if one else rows, min(seconds))
+        report = self.costs.report()
+        log.info("step costs measured", extra={"fields": {
+            "decode_ms": {int(r): round(s * 1e3, 2) for r, s in report.decode_s},
+            "prefill_row_ms": {r: round(s * 1e3, 3) for r, s in report.prefill_row_s}}})
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
@@ -273,4 +318,5 @@ class Engine:
             spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
             idle_check_failures=self.idle_check_failures,
+            step_costs=self.costs.report(),
         )

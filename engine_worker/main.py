@@ -182,7 +182,8 @@ class WorkerLoop:
         log.info("request ended", extra={"fields": fields})
 
 
-def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
+def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
+                step_costs: m.StepCosts | None = None) -> m.Hello:
     from engine_worker.model.tokenizer import tokenizer_info
 
     names = served_names(cfg.model, checkpoint, cfg.served_names())
@@ -202,6 +203,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path) -> m.Hello:
         aliases=list(names[1:]),
         block_size=runner.block_size,
         tokenizer_digest=tokenizer_digest(info),
+        step_costs=step_costs,
     )
 
 
@@ -257,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(runner, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_prefix_caching=cfg.prefix_caching,
-                    spec=build_spec_decoder(cfg, runner), grammars=grammars)
-    hello = build_hello(cfg, runner, checkpoint)
+                    spec=build_spec_decoder(cfg, runner), grammars=grammars,
+                    prefill_share=cfg.step_prefill_share)
+    engine.probe()  # the first requests are sized and admitted by this host's measurement
+    hello = build_hello(cfg, runner, checkpoint, engine.costs.report())
     log.info("model loaded", extra={"fields": {
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
         "kv_capacity_tokens": hello.kv_capacity_tokens, "max_model_len": hello.max_model_len,

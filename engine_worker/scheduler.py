@@ -10,7 +10,9 @@ Data flow, once per engine step:
 A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its tokens). Each step
 spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence (plus up
 to `lookahead` draft slots each when the engine speculates), then the next chunk of every running
-prefill, then new admissions in FCFS order.
+prefill, then new admissions in FCFS order. The prompt rows (the last two) are further held to
+`prefill_rows(decode rows)`: what the step's measured time allows (engine_worker.step_costs), so
+that decoders are never stalled by a chunk sized in tokens on another host or model.
 
 Speculation: a decode chunk may carry drafts (`chunk.draft_token_ids`, filled by the engine's
 proposer after scheduling); `update` then receives every token the acceptance step emitted. Only
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine_worker.block_manager import BlockManager
 from engine_worker.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -45,6 +48,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        prefill_rows: Callable[[int], int] | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be positive")
@@ -60,6 +64,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Prompt rows a step with that many decode rows may carry (engine_worker.step_costs:
+        # sized by measured time); None: the token budget alone.
+        self.prefill_rows = prefill_rows
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # admission order: oldest first, newest last
         self._by_request: dict[str, list[Sequence]] = {}  # live (unfinished) sequences
@@ -168,6 +175,9 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_tokens - 1, 1, sample=True,
                                          max_drafts=drafts))
             budget -= 1 + drafts
+        if self.prefill_rows is not None:
+            decode_rows = self.max_num_batched_tokens - budget
+            budget = min(budget, self.prefill_rows(decode_rows))
 
         # 2. Running prefills: their blocks were all allocated at admission.
         for seq in self._running:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from common.block_hash import chain_hash, root_hash
 from engine_worker.sequence import SequenceStatus
+from engine_worker.step_costs import StepCosts
 from protocol import messages as m
 
 FIRST_TOKEN = 1000  # generated ids cycle through [FIRST_TOKEN, FIRST_TOKEN + 64): plain words
@@ -65,6 +66,11 @@ class SimEngine:
         self._order = 0
         self.prefix_cache_hits = self.prefix_cache_queries = 0
         self.generated_tokens = self.prompt_tokens = 0
+        # What its steps cost, as the real engine reports it (the gateway's admission reads it).
+        self.costs = StepCosts(max_rows=1 << 20)
+        for rows in (1, max_num_seqs):
+            self.costs.observe(rows, 0, cost.step_time(0, rows))
+        self.costs.observe(0, 64, cost.step_time(64, 0))
 
     @property
     def has_work(self) -> bool:
@@ -116,7 +122,8 @@ class SimEngine:
         return m.Stats(running=running, waiting=waiting, kv_blocks_used=len(self._cache),
                        kv_blocks_total=self.num_blocks, prefix_cache_hits=self.prefix_cache_hits,
                        prefix_cache_queries=self.prefix_cache_queries,
-                       generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens)
+                       generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
+                       step_costs=self.costs.report())
 
     def step(self) -> list[m.TokenOutput]:
         running = [r for r in self.requests.values() if r.prefilled]
@@ -131,7 +138,10 @@ class SimEngine:
         if not running and not admitted:
             return []
         uncached = sum(self._prefill(req) for req in admitted)
-        time.sleep(self.cost.step_time(uncached, sum(len(r.seqs) for r in running)))
+        decoding = sum(len(r.seqs) for r in running)
+        seconds = self.cost.step_time(uncached, decoding)
+        time.sleep(seconds)
+        self.costs.observe(decoding, uncached, seconds)
         outputs: list[m.TokenOutput] = []
         for req in running + admitted:  # a prefill step also yields the first token
             for seq in req.seqs:

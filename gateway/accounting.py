@@ -20,7 +20,6 @@ from gateway.admission import Admission
 from gateway.engine_client import EngineClient
 from gateway.generation import Generation
 from gateway.metrics import Metrics
-from gateway.service_time import ServiceTimes
 from gateway.tracing import RequestTracer
 
 log = logging.getLogger("kestrel.gateway.requests")
@@ -29,10 +28,8 @@ _STATUS_FINISH = {429: "rejected", 499: "aborted", 504: "timeout"}
 
 
 class Accounting:
-    def __init__(self, metrics: Metrics, service_times: ServiceTimes,
-                 tracer: RequestTracer | None) -> None:
+    def __init__(self, metrics: Metrics, tracer: RequestTracer | None) -> None:
         self.metrics = metrics
-        self.service_times = service_times  # each worker's measured prefill and token rates
         self.tracer = tracer  # None: tracing off
 
     def watch(self, admission: Admission, client: EngineClient) -> None:
@@ -77,11 +74,6 @@ class Accounting:
         mx, t = self.metrics, gen.timings
         prompt_tokens, completion_tokens = gen.prompt_tokens, gen.completion_tokens
         queue_wait, tpot = t.queue_wait, t.tpot()
-        if gen.handle is not None and status == 200 and set(gen.finish_reasons) <= {
-                "stop", "length"}:  # it ran its course: its rates are the worker's
-            worker = gen.handle.worker
-            self.service_times.observe(worker.hello.worker_id, max(1, gen.handle.peak_batch),
-                                       prompt_tokens, t.since_scheduled_s, tpot)
         mx.e2e.observe(now - arrival)
         mx.prompt_tokens.inc(prompt_tokens)
         mx.generation_tokens.inc(completion_tokens)

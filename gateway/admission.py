@@ -1,20 +1,20 @@
 """Admission: at most `limit()` requests outstanding at the workers, and a FIFO queue in front of
-them that takes a request only if it can expect to start (and finish) before its deadline.
+them that takes a request with a deadline only if it can finish before it.
 
-    reserve(budget) ──a slot is free, nobody waits──▶ Ticket, granted (outstanding += 1)
-                    ──the queue is at max_queue──▶ QueueFull (429), at once
-                    ──expected wait + service > budget──▶ WouldMissDeadline (429), at once
-                    ──otherwise──▶ Ticket, waiting in FIFO order
+    reserve(work) ──a slot is free, nobody waits──▶ Ticket, granted (outstanding += 1)
+                  ──the queue is at max_queue──▶ QueueFull (429), at once
+                  ──a deadline it would miss behind the backlog──▶ WouldMissDeadline (429), at once
+                  ──otherwise──▶ Ticket, waiting in FIFO order
     Ticket.wait(timeout) ──a Slot is released──▶ Slot ──timeout passes──▶ TimeoutError
     Ticket.cancel() / Slot.release() are idempotent, so every exit path may call them.
 
-The decision is synchronous and costs O(1) (plus one pass over the ready workers): no await, no
-thread, nothing that grows with the number of connections. Expected wait = (requests queued ahead
-+ 1) / the workers' measured drain rate (gateway.drain.DrainEstimator); service = how long a slot
-is typically held. Before any rate is measured (a cold start), the queue holds at most
-`cold_queue()` requests (the gateway passes `limit()`: one round of slots). `max_queue` stays the
-hard cap. Retry-After comes from the same estimate: the time for the queue to drain to where this
-request would have fitted.
+Each admitted request is a Work in the Backlog from its reservation until its slot (or ticket) is
+given back: whether a deadline can be met is decided against everything admitted before it, a
+burst still being tokenized included, from the costs the workers measured (gateway.backlog). A
+request without a deadline is never refused on an estimate: it waits in the bounded queue. Before
+any worker has reported its costs, a request with a deadline gets a slot free now or
+`cold_queue()` places at most. Retry-After comes from the drain rate of the workers
+(gateway.drain.DrainEstimator) or the estimate's overshoot.
 
 The timeout is a timer on the waiter's own future, not asyncio.wait_for: before Python 3.12,
 wait_for can swallow a cancellation that arrives as the slot is granted, and the caller (whose
@@ -24,11 +24,12 @@ client has gone) would go on to use a slot nobody releases.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
+from gateway.backlog import Backlog, Capacity, Decision, Work
 from gateway.drain import DrainEstimator
 
 
@@ -49,7 +50,7 @@ class QueueFull(Rejected):
 
 
 class WouldMissDeadline(Rejected):
-    """The queue drains too slowly for this request to finish inside its deadline."""
+    """Behind the work admitted before it, this request would not finish inside its deadline."""
 
     reason = "would_miss_deadline"
 
@@ -59,8 +60,9 @@ class QueueClosed(Exception):
 
 
 class Slot:
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, work: Work | None = None) -> None:
         self._admission = admission
+        self.work = work  # what the backlog counts for it until it is released
         self.released = False
         self.granted_at = time.monotonic()
         self.worker: str | None = None  # set once a worker took the request: it drains the queue
@@ -74,9 +76,10 @@ class Slot:
 class Ticket:
     """A place in the queue (or a slot granted at once)."""
 
-    def __init__(self, admission: Admission, slot: Slot | None) -> None:
+    def __init__(self, admission: Admission, slot: Slot | None, work: Work | None = None) -> None:
         self._admission = admission
         self.slot = slot
+        self.work = work
         self.future: asyncio.Future[Slot] | None = None
         self.cancelled = False
 
@@ -123,13 +126,17 @@ class Admission:
     def __init__(self, limit: Callable[[], int], max_queue: int,
                  estimator: DrainEstimator | None = None,
                  workers: Callable[[], Iterable[str]] = lambda: (),
-                 cold_queue: Callable[[], int] | None = None) -> None:
+                 cold_queue: Callable[[], int] | None = None,
+                 capacity: Callable[[str], Capacity | None] = lambda _model: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._limit = limit  # read each time: the default follows the workers that are ready
         self.max_queue = max_queue
         self.estimator = estimator or DrainEstimator()
         self._workers = workers  # ids of the workers ready now (their drain rates add up)
-        # Most waiters before any drain rate is measured (None: max_queue).
+        # Most waiters with a deadline before any worker reported its costs (None: max_queue).
         self._cold_queue = cold_queue
+        self.backlog = Backlog(capacity, clock)
+        self.clock = clock
         self.outstanding = 0
         self._waiters: OrderedDict[Ticket, None] = OrderedDict()  # FIFO, O(1) removal
 
@@ -158,46 +165,77 @@ class Admission:
         rate = self.drain_rate()
         return (ahead + 1) / rate if rate > 0 else None
 
-    def check(self, budget: float | None = None) -> bool:
-        """Whether a request with `budget` seconds left would get a slot at once (True) or a
-        place in the queue (False); Rejected when it would get neither. Changes nothing."""
-        if self.outstanding < self.limit and not self._waiters:
-            return True
+    def check(self, work: Work | None = None) -> bool:
+        """Whether `work` would get a slot at once (True) or a place in the queue (False);
+        Rejected when it would get neither. Changes nothing. Without `work` (before a body is
+        read), only whether the queue has room."""
+        return self._check(work)[0]
+
+    def _check(self, work: Work | None) -> tuple[bool, Decision | None]:
+        free = self.outstanding < self.limit and not self._waiters
         ahead = len(self._waiters)
-        rate = self.drain_rate()
-        if ahead >= self.max_queue:
+        if not free and ahead >= self.max_queue:
+            rate = self.drain_rate()
             over = ahead - self.max_queue + 1
             raise QueueFull(f"{self.outstanding} requests running and {ahead} queued: the "
                             "gateway is at capacity", over / rate if rate > 0 else 1.0)
-        if rate <= 0:
-            if self._cold_queue is not None and ahead >= max(1, self._cold_queue()):
-                raise QueueFull(f"{self.outstanding} requests running and {ahead} queued, and "
-                                "no drain rate measured yet", 1.0)
-        elif budget is not None:
-            wait, service = (ahead + 1) / rate, self.estimator.service_s()
-            if wait + service > budget:
-                # It would have fitted behind `fits` waiters: retry once the rest have drained.
-                fits = max(0, math.floor((budget - service) * rate) - 1)
-                raise WouldMissDeadline(
-                    f"the queue ahead ({ahead}) drains at {rate:.2f}/s: an expected wait of "
-                    f"{wait:.1f} s and {service:.1f} s to run do not fit in the deadline "
-                    f"({budget:.1f} s)", (ahead - fits) / rate)
-        return False
+        decision = None if work is None else self.backlog.decide(work)
+        if work is not None and work.deadline is not None:
+            self._check_deadline(work, decision, free)
+        return free, decision
 
-    def reserve(self, budget: float | None = None) -> Ticket:
-        """A place for a request that has `budget` seconds left, or Rejected at once."""
-        if self.check(budget):
+    def refine(self, work: Work, free: bool) -> None:
+        """`work` (already counted) has changed (its prompt tokenized): decide again; for a
+        deadline, WouldMissDeadline now if it no longer fits."""
+        decision = self.backlog.decide(work)
+        if work.deadline is not None:
+            self._check_deadline(work, decision, free)
+        self.backlog.commit(work, decision)
+
+    def _check_deadline(self, work: Work, decision: Decision | None, free: bool) -> None:
+        """WouldMissDeadline unless `work` can finish by its deadline behind the backlog, and
+        without making a request admitted before it miss its own."""
+        assert work.deadline is not None
+        budget = work.deadline - self.clock()
+        if decision is None:  # no worker has reported its costs yet
+            ahead = len(self._waiters)
+            if not free and self._cold_queue is not None and ahead >= max(1, self._cold_queue()):
+                raise QueueFull(f"{self.outstanding} requests running and {ahead} queued, and "
+                                "no step costs measured yet", 1.0)
+            return
+        if decision.finish_s > budget:
+            alone = self.backlog.idle_s(replace(work, prompt_tokens=0))
+            if alone is not None and alone > budget:
+                return  # not even alone and idle: a 400 once tokenized (Admitter.check_fit)
+            raise WouldMissDeadline(
+                f"behind the {len(self.backlog.ahead_of(work))} requests admitted before it, "
+                f"this one would take about {decision.finish_s:.1f} s, past its deadline "
+                f"({budget:.1f} s left)", max(1.0, decision.finish_s - budget))
+        if decision.short_by > 0:
+            raise WouldMissDeadline(
+                "admitting this request now would make one admitted before it miss its "
+                f"deadline by about {decision.short_by:.1f} s", max(1.0, decision.short_by))
+
+    def reserve(self, work: Work | None = None) -> Ticket:
+        """A place for `work`, or Rejected at once. It counts in the backlog from now until its
+        slot or ticket is given back."""
+        free, decision = self._check(work)
+        if free:
             self.outstanding += 1
-            return Ticket(self, Slot(self))
-        ticket = Ticket(self, None)
-        ticket.future = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = None
+            ticket = Ticket(self, Slot(self, work), work)
+        else:
+            ticket = Ticket(self, None, work)
+            ticket.future = asyncio.get_running_loop().create_future()
+            self._waiters[ticket] = None
+        if work is not None:
+            self.backlog.add(work)
+            self.backlog.commit(work, decision)
         return ticket
 
     async def acquire(self, timeout: float | None = None) -> Slot:
         """A slot now, or after waiting in FIFO order for at most `timeout` seconds (then
         TimeoutError); Rejected at once when the queue cannot take it."""
-        return await self.reserve(timeout).wait(timeout)
+        return await self.reserve().wait(timeout)
 
     def reject_waiters(self) -> None:
         """Shutting down: every request still waiting gets QueueClosed now."""
@@ -213,9 +251,13 @@ class Admission:
 
     def _forget(self, ticket: Ticket) -> None:
         self._waiters.pop(ticket, None)
+        if ticket.work is not None:
+            self.backlog.remove(ticket.work)
 
     def _release(self, slot: Slot) -> None:
         self.outstanding -= 1
+        if slot.work is not None:
+            self.backlog.remove(slot.work)
         if slot.worker is not None:
             self.estimator.record(slot.worker, time.monotonic() - slot.granted_at)
         self._wake()
@@ -225,7 +267,9 @@ class Admission:
             ticket, _ = self._waiters.popitem(last=False)
             if ticket.future is not None and not ticket.future.done():
                 self.outstanding += 1
-                ticket.future.set_result(Slot(self))
+                ticket.future.set_result(Slot(self, ticket.work))
+            elif ticket.work is not None:
+                self.backlog.remove(ticket.work)
 
     def poke(self) -> None:
         """The limit may have grown (a worker joined): admit waiters that now fit."""

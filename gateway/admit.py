@@ -1,14 +1,16 @@
 """Admission at the gateway: who gets a place, and when a request is handed to a worker.
 
-    precheck (before the body is read): 503 draining, 429 if even the longest deadline would
-        find no place ──▶ reserve(deadline): 503 draining, 429 queue full or deadline out of
-        reach, else a Ticket ──▶ (tokenizing) ──▶ check_fit: 400 if it could not finish even on
-        an idle worker, 429 if not at the current load ──▶ start: wait for the slot (504), send
-        it to a worker (503 without one) ──▶ a live Generation
+    precheck (before the body is read): 503 draining, 429 if the queue is full
+        ──▶ reserve(draft): 503 draining, 429 queue full or a deadline out of reach behind the
+        backlog, else a Ticket (its Work counted in the backlog) ──▶ (tokenizing) ──▶
+        check_fit (a deadline only): 400 if it could not finish even on an idle worker, 429 if
+        not behind the backlog ──▶ start: wait for the slot (504 at a deadline), send it to a
+        worker (503 without one) ──▶ a live Generation, whose tokens the backlog reads
 
-The queue itself is gateway.admission; its limit is max_outstanding, or the sequences the ready
-workers announced. Draining is checked before the body is read and again after (SIGTERM may
-come while a body arrives); a request already queued is failed by reject_waiters.
+The queue itself is gateway.admission, the estimate gateway.backlog; the limit is
+max_outstanding, or the sequences the ready workers announced. A request without a deadline is
+never refused on an estimate. Draining is checked before the body is read and again after
+(SIGTERM may come while a body arrives); a request already queued is failed by reject_waiters.
 """
 
 from __future__ import annotations
@@ -20,22 +22,21 @@ from collections.abc import Callable
 from prometheus_client import Counter
 
 from gateway.accounting import Accounting
-from gateway.admission import Admission, QueueClosed, Rejected, Ticket, WouldMissDeadline
+from gateway.admission import Admission, QueueClosed, Rejected, Ticket
+from gateway.backlog import Capacity, Work, capacity_of
 from gateway.config import GatewayConfig
 from gateway.drain import DrainEstimator
 from gateway.engine_client import EngineClient, NoWorkerError, new_request_id
 from gateway.errors import APIError, too_many_requests
 from gateway.generation import Generation
-from gateway.intake import EngineRequest
-from gateway.service_time import DoesNotFit, ServiceTimes, check_fit
+from gateway.intake import ROUTES, Draft, EngineRequest
 
 
 class Admitter:
-    def __init__(self, cfg: GatewayConfig, client: EngineClient, service_times: ServiceTimes,
+    def __init__(self, cfg: GatewayConfig, client: EngineClient,
                  accounting: Accounting, rejections: Counter) -> None:
         self.cfg = cfg
         self.client = client
-        self.service_times = service_times
         self.accounting = accounting
         self.rejections = rejections
         self.draining = False
@@ -43,7 +44,13 @@ class Admitter:
         fixed = cfg.max_outstanding
         self.limit: Callable[[], int] = (lambda: fixed) if fixed else client.registry.capacity
         self.admission = Admission(self.limit, cfg.max_queue, DrainEstimator(),
-                                   workers=client.registry.ready_ids, cold_queue=self.limit)
+                                   workers=client.registry.ready_ids, cold_queue=self.limit,
+                                   capacity=self.capacity)
+
+    def capacity(self, model: str) -> Capacity | None:
+        """The model's ready workers: their measured step costs and seats."""
+        return capacity_of([(w.stats.step_costs, w.hello.max_num_seqs)
+                            for w in self.client.registry.candidates(model)])
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -54,37 +61,57 @@ class Admitter:
         return too_many_requests(str(exc), exc.reason, exc.retry_after)
 
     def precheck(self) -> None:
-        """Before the body is read: 429 at once if even the longest deadline would not get a
-        place, so a refused request costs no body read, no tokenizing and no thread."""
+        """Before the body is read: 429 at once if the queue is full, so a refused request
+        costs no body read, no tokenizing and no thread."""
         self._refuse_if_draining()
         try:
-            self.admission.check(self.cfg.default_timeout_s)
+            self.admission.check()
         except Rejected as exc:
             raise self._rejected(exc) from None
 
-    def reserve(self, deadline: float) -> Ticket:
-        """A place in the queue for a request due at `deadline` (monotonic), decided at once:
-        429 (queue full, or it would miss its deadline), 503 (draining), or a Ticket."""
+    def reserve(self, draft: Draft) -> Ticket:
+        """A place in the queue for `draft`, decided at once: 429 (queue full, or a deadline it
+        would miss behind the backlog), 503 (draining), or a Ticket. Its prompt counts as its
+        characters until it is tokenized; an absent max_tokens as the most it may become."""
         self._refuse_if_draining()  # again: a request may have been reading its body at SIGTERM
+        body, registry = draft.body, self.client.registry
+        entry = registry.model(body.model) if body.model else next(iter(registry.models.values()),
+                                                                     None)
+        asked = body.requested_max_tokens()
+        default = ROUTES[draft.route].default_max_tokens
+        most = entry.hello.max_model_len if entry is not None else 1
+        work = Work(entry.model_id if entry is not None else "", max(1, draft.prompt_chars),
+                    asked or min(default or most, self.cfg.max_tokens_cap, most),
+                    getattr(body, "n", None) or 1, draft.deadline)
         try:
-            return self.admission.reserve(deadline - time.monotonic())
+            return self.admission.reserve(work)
         except Rejected as exc:
             raise self._rejected(exc) from None
 
     def check_fit(self, req: EngineRequest, ticket: Ticket) -> None:
-        """After tokenizing: 400 if this request could not finish before its deadline even on
-        an idle worker, 429 if not at the current load (gateway/service_time.py)."""
-        now = time.monotonic()
-        wait = 0.0 if ticket.granted else (self.admission.expected_wait() or 0.0)
+        """After tokenizing, its exact prompt replaces the estimate in the backlog; with a
+        deadline, 400 if it could not finish before it even on an idle worker, 429 if not
+        behind the work admitted before it (or not without making that work late)."""
+        work = ticket.work
+        if work is None:
+            return
+        work.model, work.prompt_tokens = req.model.model_id, len(req.prompt_ids)
+        work.max_tokens, work.n = req.params.max_tokens, req.params.n
+        if req.deadline is not None:
+            budget, remaining = req.deadline - req.arrival, req.deadline - time.monotonic()
+            idle = self.admission.backlog.idle_s(work)
+            if remaining <= 0 or (idle is not None and idle > budget):
+                least = f"about {idle:.1f} s" if idle is not None else "more"
+                raise APIError(400, f"this request cannot finish within its timeout of "
+                               f"{budget:.3g} s even on an idle worker ({least} for "
+                               f"{len(req.prompt_ids)} prompt tokens and max_tokens="
+                               f"{work.max_tokens}): lower max_tokens or raise timeout",
+                               param="max_tokens" if remaining > 0 else "timeout",
+                               code="deadline_unreachable")
         try:
-            check_fit(self.service_times, self.client.load(req.model.model_id),
-                      len(req.prompt_ids), req.params.max_tokens, req.params.n,
-                      req.deadline - req.arrival, req.deadline - now, wait)
-        except DoesNotFit as exc:
-            if exc.idle:
-                raise APIError(400, str(exc), param=exc.param,
-                               code="deadline_unreachable") from None
-            raise self._rejected(WouldMissDeadline(str(exc), exc.retry_after)) from None
+            self.admission.refine(work, ticket.granted)
+        except Rejected as exc:
+            raise self._rejected(exc) from None
 
     async def start(self, req: EngineRequest, ticket: Ticket) -> Generation:
         """Wait for the ticket's slot (504 if the deadline passes first), then send to a worker
@@ -96,8 +123,8 @@ class Admitter:
                 # (or a 504) later, and the admission limit, sized from ready workers, would be 1.
                 raise APIError(503, f"no ready worker serves {req.model.model_id!r}",
                                code="no_worker")
-            remaining = req.deadline - time.monotonic()
-            if remaining <= 0:
+            remaining = None if req.deadline is None else req.deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
                 raise TimeoutError
             slot = await ticket.wait(remaining)
         except TimeoutError:
@@ -113,6 +140,8 @@ class Admitter:
         gen = Generation(self.client, req.model, new_request_id(), req.prompt_ids, req.params,
                          req.stop, req.deadline, req.arrival, slot, grammar=req.grammar,
                          cache_salt=req.cache_salt)
+        if slot.work is not None:  # the backlog counts what it has left from now on
+            slot.work.generated = gen.longest_choice
         self.accounting.opened(gen)  # the span opens here so its context reaches the worker
         try:
             await gen.start()

@@ -18,9 +18,13 @@ class GatewayConfig:
     max_outstanding: int = setting(0, "most requests running or waiting at the workers "
                                    "(0: the sum of the workers' announced max_num_seqs)")
     max_queue: int = setting(64, "most requests waiting in the gateway beyond that; then 429")
-    max_prompt_chars: int = setting(4096, "longest prompt, in characters")
+    max_prompt_chars: int = setting(65536, "longest prompt, in characters (a chat: its "
+                                    "messages' text); the context bounds its tokens anyway")
     max_tokens_cap: int = setting(1024, "largest max_tokens a request may ask for")
-    default_timeout_s: float = setting(30.0, "deadline of a request, counted from its arrival")
+    default_timeout_s: float = setting(0.0, "deadline of a request that names no timeout, counted "
+                                       "from its arrival (0: none, as vLLM and llama.cpp)")
+    max_timeout_s: float = setting(0.0, "longest timeout a request may name; a longer one is "
+                                   "held to this (0: any)")
     max_body_bytes: int = setting(1 << 20, "largest request body")
     api_keys: str = setting("", "API keys, comma-separated (--api-key: one a flag, repeated); "
                             "empty: no auth", flags=("--api-key",), repeat="append")
@@ -89,8 +93,12 @@ class GatewayConfig:
             raise ValueError("api_server_count must be >= 1 and api_server_index below it")
         if self.max_outstanding < 0 or self.max_queue < 0:
             raise ValueError("max_outstanding and max_queue must be >= 0")
-        if self.default_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
-            raise ValueError("default_timeout_s and heartbeat_timeout_s must be positive")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be positive")
+        if self.default_timeout_s < 0 or self.max_timeout_s < 0:
+            raise ValueError("default_timeout_s and max_timeout_s must be >= 0 (0: none)")
+        if self.max_timeout_s and self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s must not exceed max_timeout_s")
         if self.rate_limit_rps < 0 or self.drain_timeout_s < 0:
             raise ValueError("rate_limit_rps and drain_timeout_s must be >= 0")
         if bool(self.link_secret_key) != bool(self.link_authorized_keys):

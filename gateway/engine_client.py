@@ -159,13 +159,6 @@ class EngineClient:
     async def _send_generate(self, handle: RequestHandle, worker: WorkerState) -> None:
         handle.worker = worker
         worker.inflight.add(handle.request_id)
-        # Every request on the worker now runs in a batch at least this large: what its service
-        # time is counted under when it ends (gateway/service_time.py), in the same own count
-        # that admission decides with.
-        batch = self._sequences(worker)
-        for rid in worker.inflight:
-            if (other := self.requests.get(rid)) is not None:
-                other.peak_batch = max(other.peak_batch, batch)
         gen = replace(handle.gen, timeout_s=handle.remaining(), deadline=None)
         if not await self.link.send(worker.identity, gen):
             self._drop_worker(worker, "unreachable")

@@ -4,10 +4,11 @@
     frames joined)──▶ per-choice IncrementalDetokenizer (UTF-8 and stop string holdback) ──▶
     ChoiceEvent(index, text, finish_reason) ──▶ the route's formatter
 
-The deadline bounds every wait: past it, unfinished choices end with finish_reason "timeout" and the
-worker is told to cancel. A lost worker or an engine refusal raises EngineFailure, which the route
-turns into an error response or a stream error event. `close()` is idempotent and always runs:
-it cancels at the worker if the request is still live there and frees the admission slot.
+A deadline, where the request has one, bounds every wait: past it, unfinished choices end with
+finish_reason "timeout" and the worker is told to cancel. A lost worker or an engine refusal
+raises EngineFailure, which the route turns into an error response or a stream error event.
+`close()` is idempotent and always runs: it cancels at the worker if the request is still live
+there and frees the admission slot.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ class ChoiceEvent:
     finish_reason: str | None = None
 
 
-async def _get_before(queue: asyncio.Queue[T], deadline: float) -> T:
-    """The next item, or TimeoutError once `deadline` (monotonic) passes.
+async def _get_before(queue: asyncio.Queue[T], deadline: float | None) -> T:
+    """The next item, or TimeoutError once `deadline` (monotonic; None: never) passes.
 
     Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation that arrives as the
     item does, and a request whose client left would go on waiting for frames until its deadline.
     """
+    if deadline is None:
+        return await queue.get()
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError
@@ -93,14 +96,14 @@ class _Choice:
 class Generation:
     def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
-                 deadline: float, arrival: float, slot: Slot, grammar: str | None = None,
+                 deadline: float | None, arrival: float, slot: Slot, grammar: str | None = None,
                  cache_salt: str = "") -> None:
         self.client = client
         self.model = model
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.deadline = deadline  # monotonic
+        self.deadline = deadline  # monotonic; None: none
         self.slot = slot
         self.timings = Timings(arrival)
         self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop))
@@ -123,6 +126,10 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
+
+    def longest_choice(self) -> int:
+        """Tokens of the choice that has the most so far (admission's backlog reads it)."""
+        return max(c.tokens for c in self.choices)
 
     @property
     def finish_reasons(self) -> list[str | None]:
@@ -150,7 +157,7 @@ class Generation:
         choice's consecutive token frames joined into one), else waited for until the deadline
         (TimeoutError)."""
         assert self.handle is not None
-        if time.monotonic() >= self.deadline:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
             raise TimeoutError
         backlog, queue = self._backlog, self.handle.events
         if not backlog:

@@ -1,12 +1,13 @@
 """From a request body to an engine request, each part decided once.
 
     read: the body (413/408/400, gateway.body) ──parse──▶ the route's schema (422)
-          ──▶ Draft: the body and its deadline (arrival + its timeout, within the default)
+          ──▶ Draft: the body and its deadline (arrival + its timeout, up to --max-timeout-s;
+              none asked: --default-timeout-s, none by default)
     prepare: model (404/503) ──▶ the prompt (the route's: text, token ids, or chat messages
              with tools, in the model template's own format where it has one: gateway.tools)
           ──▶ limits (422) ──▶ grammar (400) ──▶ tokens, in a thread (400)
-          ──▶ sampling parameters: max_tokens within the cap, the context (400) and what the
-              model's workers were measured to finish before the deadline ──▶ EngineRequest
+          ──▶ sampling parameters: max_tokens within the cap and the context (400); absent, the
+              route's default (a chat: the rest of the context) ──▶ EngineRequest
 
 Between `read` and `prepare` the route takes the request's place in the admission queue (the
 429 is decided before anything is tokenized). Nothing here is written to a socket: the
@@ -16,7 +17,6 @@ EngineRequest is what gateway.admit sends and what the formatters render from.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,6 @@ from gateway.schemas import (
     RequestLimitError,
     check_limits,
 )
-from gateway.service_time import ServiceTimes
 from gateway.structured import request_grammar
 from gateway.tenancy import cache_salt
 from gateway.tokenizer import ChatTemplateError, GatewayTokenizer
@@ -50,15 +49,16 @@ Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long pro
 @dataclass(frozen=True)
 class Route:
     schema: type[RequestBase]
-    # max_tokens when a request sets none (then also cut to what the deadline fits): OpenAI's
-    # 16 for completions; for chat, enough for an answer, not the whole context.
-    default_max_tokens: int = 16
+    # max_tokens when a request sets none, within the cap: OpenAI's 16 for completions; None:
+    # the rest of the context (a chat runs to its stop, as vLLM's does). Never cut to fit an
+    # estimate: a deadline is met by refusing at once, not by a shorter answer.
+    default_max_tokens: int | None = 16
     stream: bool | None = None  # None: the body's own `stream`
 
 
 ROUTES: dict[str, Route] = {
     "completions": Route(CompletionRequest),
-    "chat": Route(ChatCompletionRequest, default_max_tokens=512),
+    "chat": Route(ChatCompletionRequest, default_max_tokens=None),
     "generate": Route(GenerateRequest, stream=False),
     "generate_stream": Route(GenerateRequest, stream=True),
 }
@@ -71,9 +71,10 @@ class Draft:
     route: str
     body: Any  # the route's schema, a RequestBase
     arrival: float  # monotonic
-    deadline: float  # monotonic
+    deadline: float | None  # monotonic; None: none
     stream: bool  # answered as SSE
     address: str = ""  # the client's address: who it is when API keys are off
+    prompt_chars: int = 0  # the prompt's characters: a bound on its tokens before tokenizing
 
 
 @dataclass
@@ -83,7 +84,7 @@ class EngineRequest:
     route: str
     body: Any  # the body as the formatter reads it (a one-prompt batch is unwrapped)
     arrival: float  # monotonic
-    deadline: float  # monotonic
+    deadline: float | None  # monotonic; None: none
     stream: bool
     model: ModelEntry
     prompt_ids: list[int]
@@ -104,12 +105,9 @@ def parse_body(schema: type[RequestBase], data: Any) -> Any:
 
 
 class Intake:
-    def __init__(self, cfg: GatewayConfig, client: EngineClient,
-                 service_times: ServiceTimes) -> None:
+    def __init__(self, cfg: GatewayConfig, client: EngineClient) -> None:
         self.cfg = cfg
         self.client = client
-        self.service_times = service_times
-        self.load = client.load  # (worker id, sequences it runs for us) of a model's workers
         self.rendered_prompt_limit = cfg.rendered_prompt_limit
         self.readers = Readers()  # the bodies being read: ended with a 503 at SIGTERM
 
@@ -120,13 +118,16 @@ class Intake:
         body = parse_body(spec.schema, data)
         stream = bool(body.stream) if spec.stream is None else spec.stream
         address = request.client.host if request.client else ""
-        return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream, address)
+        return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream, address,
+                     prompt_chars(body))
 
-    def deadline(self, arrival: float, timeout: float | None) -> float:
-        """A client's timeout may only shorten the default deadline."""
+    def deadline(self, arrival: float, timeout: float | None) -> float | None:
+        """A client's timeout, in full up to --max-timeout-s; none: --default-timeout-s, and
+        without one no deadline at all (a request then waits its turn, however long)."""
         cfg = self.cfg
-        return arrival + (cfg.default_timeout_s if timeout is None
-                          else min(timeout, cfg.default_timeout_s))
+        if timeout is None:
+            return arrival + cfg.default_timeout_s if cfg.default_timeout_s > 0 else None
+        return arrival + (min(timeout, cfg.max_timeout_s) if cfg.max_timeout_s > 0 else timeout)
 
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
         cfg = self.cfg
@@ -159,7 +160,7 @@ class Intake:
             raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
                            param="prompt", code="invalid_token_ids")
         params = self.sampling(model, len(ids), max_tokens, ROUTES[draft.route].default_max_tokens,
-                               draft.deadline, **fields)
+                               **fields)
         return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan)
@@ -211,26 +212,32 @@ class Intake:
         return entry
 
     def sampling(self, model: ModelEntry, prompt_len: int, max_tokens: int | None,
-                 default_max: int, deadline: float, **fields: Any) -> m.SamplingParams:
-        """An absent max_tokens is the route's default, within the cap and the context, and
-        within what the model's fastest worker was measured to finish before `deadline` at its
-        current load: a plain request ends with "length", never in a 504 nor refused for a
-        default it did not choose."""
+                 default_max: int | None, **fields: Any) -> m.SamplingParams:
+        """An absent max_tokens is the route's default (None: the rest of the context), within
+        the cap and the context; an asked one must fit the context (400)."""
         room = model.hello.max_model_len - prompt_len
         if max_tokens is None:
-            max_tokens = min(default_max, self.cfg.max_tokens_cap, room)
-            fits = self.service_times.tokens_within(
-                self.load(model.model_id), prompt_len, deadline - time.monotonic(),
-                fields.get("n", 1))
-            if fits is not None:
-                max_tokens = max(1, min(max_tokens, fits))
             if room < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room "
                                f"in the context of {model.hello.max_model_len}",
                                param="prompt", code="context_length_exceeded")
+            max_tokens = min(room if default_max is None else default_max,
+                             self.cfg.max_tokens_cap, room)
         elif prompt_len + max_tokens > model.hello.max_model_len:
             raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens})"
                            f" exceeds the model's context of {model.hello.max_model_len}",
                            param="max_tokens", code="context_length_exceeded")
         top_k = fields.pop("top_k", -1)
         return m.SamplingParams(max_tokens=max_tokens, top_k=max(0, top_k), **fields)
+
+
+def prompt_chars(body: Any) -> int:
+    """The characters of a body's prompt (a token-id prompt: its ids), cheaply: before it is
+    tokenized, admission counts it as the prompt's tokens (most tokens span a character or
+    more), and the exact count once it is tokenized."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(msg.text()) for msg in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return sum(len(p) for p in prompt)
+    return len(prompt)

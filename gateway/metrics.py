@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from protocol import messages as m
@@ -91,11 +96,31 @@ class WorkerCollector(Collector):
                     for name, (_, text) in WORKER_COUNTERS.items()}
         return gauges, counters
 
+    @staticmethod
+    def _step_families() -> list[Metric]:
+        """The worker's step sizing (engine_worker.step_costs): what its steps took, how many
+        prompt rows they carried, and the measured costs the sizing and admission read."""
+        label = ["worker"]
+        return [
+            HistogramMetricFamily(f"{NS}_worker_step_seconds", "engine step wall time",
+                                  labels=label),
+            HistogramMetricFamily(f"{NS}_worker_step_prefill_tokens",
+                                  "prompt rows (tokens) an engine step computed (0: decode "
+                                  "only)", labels=label),
+            GaugeMetricFamily(f"{NS}_worker_decode_step_cost_seconds",
+                              "measured seconds of a decode-only step, by its decode rows",
+                              labels=[*label, "rows"]),
+            GaugeMetricFamily(f"{NS}_worker_prefill_row_cost_seconds",
+                              "measured seconds a prompt row adds to a step, by the step's "
+                              "prompt rows (bucket)", labels=[*label, "rows"]),
+        ]
+
     def describe(self) -> Iterator[Metric]:
         # The names, so the registry refuses a clash at register time.
         gauges, counters = self._families()
         yield from gauges
         yield from counters.values()
+        yield from self._step_families()
 
     def collect(self) -> Iterator[Metric]:
         (running, waiting, kv), counters = self._families()
@@ -113,6 +138,28 @@ class WorkerCollector(Collector):
         self._high = high
         yield from (running, waiting, kv)
         yield from counters.values()
+        yield from self._collect_steps()
+
+    def _collect_steps(self) -> Iterator[Metric]:
+        step_s, rows, decode, prefill = self._step_families()
+        for w in self._workers():
+            costs = w.stats.step_costs
+            if costs is None:
+                continue
+            for family, hist, total in ((step_s, costs.step_seconds, costs.step_seconds_sum),
+                                        (rows, costs.prefill_rows, costs.prefill_rows_sum)):
+                if hist:
+                    family.add_metric([w.name], [(_le(edge), float(n)) for edge, n in hist],
+                                      total)
+            for r, secs in costs.decode_s:
+                decode.add_metric([w.name, str(round(r))], secs)
+            for r, secs in costs.prefill_row_s:
+                prefill.add_metric([w.name, str(r)], secs)
+        yield from (step_s, rows, decode, prefill)
+
+
+def _le(edge: float) -> str:
+    return "+Inf" if edge == float("inf") else repr(float(edge))
 
 
 class Metrics:

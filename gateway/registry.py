@@ -152,7 +152,10 @@ class Registry:
     def admit(self, identity: bytes, hello: m.Hello, digest: str,
               tokenizer: GatewayTokenizer | None) -> WorkerState:
         """Register a worker whose Hello passed; `tokenizer` is needed for a new model."""
-        worker = WorkerState(identity, hello, next(self._index), time.monotonic(), ready=True)
+        # The step costs it measured before saying Hello count from the first request on, not
+        # from its first heartbeat: a burst right after it joins is estimated, not guessed.
+        worker = WorkerState(identity, hello, next(self._index), time.monotonic(), ready=True,
+                             stats=m.Stats(step_costs=hello.step_costs))
         self.workers[identity] = worker
         entry = self.models.get(hello.model_id)
         if entry is None:

@@ -47,7 +47,6 @@ class RequestHandle:
         self.closed = False
         self.answered = False  # a frame came back: it can no longer be retried elsewhere
         self.retried = False
-        self.peak_batch = 0  # most sequences the gateway had on its worker while it ran
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())

@@ -45,7 +45,7 @@ async def run_route(request: Request, route: str) -> Response:
         state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
         with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
             draft = await state.intake.read(route, request, arrival)
-            ticket = state.admit.reserve(draft.deadline)  # the 429 decision, before tokenizing
+            ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
             # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
             # client that leaves meanwhile gives it back at once.
             prepared = await until_disconnect(request.receive, state.intake.prepare(draft, key),

@@ -143,9 +143,11 @@ class RequestBase(_Strict):
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension: False opts this request out of speculative decoding
     timeout: Annotated[float, Field(gt=0.0, description=(
-        "seconds; may only shorten the server's default deadline. A deadline this request "
-        "cannot meet on this server (its measured speed) is refused at once: 400 "
-        "deadline_unreachable, or 429 at the current load"))] | None = None  # extension
+        "seconds from arrival to the last token, honoured in full up to the server's "
+        "--max-timeout-s; absent: the server's --default-timeout-s (none by default). A deadline "
+        "this request cannot meet on this server (its measured step costs, behind the work "
+        "admitted before it) is refused at once: 400 deadline_unreachable, or 429 "
+        "would_miss_deadline at the current load"))] | None = None  # extension
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

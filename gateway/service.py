@@ -23,7 +23,6 @@ from gateway.heavy import Heavy
 from gateway.intake import Intake
 from gateway.metrics import Metrics
 from gateway.rate_limit import RateLimiter
-from gateway.service_time import ServiceTimes
 from gateway.shared_limits import SharedRateLimiter
 from gateway.tracing import RequestTracer
 
@@ -33,17 +32,14 @@ class GatewayState:
         self.cfg = cfg
         self.client = EngineClient.from_config(cfg)
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
-        service_times = ServiceTimes()  # each worker's measured prefill and token rates
-        self.accounting = Accounting(self.metrics, service_times,
-                                     RequestTracer.create(cfg.otlp_endpoint))
+        self.accounting = Accounting(self.metrics, RequestTracer.create(cfg.otlp_endpoint))
         # With several API server processes the buckets live in the file they all map.
         limiter = SharedRateLimiter(cfg.shared_state, cfg.rate_limit_rps, cfg.rate_limit_burst) \
             if cfg.shared_state else RateLimiter(cfg.rate_limit_rps, cfg.rate_limit_burst)
         self.auth = Auth(cfg.keys(), limiter, self.metrics.rejections)
         self.heavy = Heavy(rejections=self.metrics.rejections)
-        self.intake = Intake(cfg, self.client, service_times)
-        self.admit = Admitter(cfg, self.client, service_times, self.accounting,
-                              self.metrics.rejections)
+        self.intake = Intake(cfg, self.client)
+        self.admit = Admitter(cfg, self.client, self.accounting, self.metrics.rejections)
         self.admission = self.admit.admission
         self.accounting.watch(self.admission, self.client)
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())

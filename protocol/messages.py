@@ -21,7 +21,8 @@ from typing import Literal
 # 2: Generate carries the remaining time (timeout_s), not a wall-clock deadline; Hello carries
 # the KV block size and a tokenizer digest.
 # 3: Generate.cache_salt. 4: token frames travel in one StepOutputs per engine step.
-PROTOCOL_VERSION = 4
+# 5: Stats.step_costs and Hello.step_costs (the worker's measured step costs).
+PROTOCOL_VERSION = 5
 
 # Why a choice ended. stop: an end-of-sequence or stop token; length: max_tokens or the context;
 # abort: cancelled (client gone, a stop string met at the gateway, worker shutting down);
@@ -63,6 +64,22 @@ class TokenizerInfo:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """What one engine step costs on the worker's host, measured from its steps
+    (engine_worker.step_costs): the gateway's admission estimates from it, /metrics shows it."""
+
+    decode_s: list[tuple[float, float]]  # (decode rows, seconds of a step with only those)
+    prefill_row_s: list[tuple[int, float]]  # (rows bucket, seconds each prompt row adds)
+    prefill_share: float  # most of a step prompts may take while sequences decode
+    max_rows: int  # rows one step may carry at most (--max-num-batched-tokens)
+    # Cumulative histograms (upper edge, count), every step since the worker started.
+    step_seconds: list[tuple[float, int]] = field(default_factory=list)
+    step_seconds_sum: float = 0.0
+    prefill_rows: list[tuple[float, int]] = field(default_factory=list)
+    prefill_rows_sum: float = 0.0
+
+
+@dataclass(frozen=True)
 class Stats:
     """Engine figures, sent with every heartbeat."""
 
@@ -83,6 +100,7 @@ class Stats:
     spec_verify_steps: int = 0
     # Times the worker, going idle, found state that no request held (Engine.check_idle).
     idle_check_failures: int = 0
+    step_costs: StepCosts | None = None  # None: nothing measured (or a worker that measures none)
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,7 @@ class Hello:
     # `tokenizer` and refuses a Hello whose digest, or whose tokenizer, differs from the one its
     # model was registered with.
     tokenizer_digest: str = ""
+    step_costs: StepCosts | None = None  # measured before the Hello (Engine.probe)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "protocol", "gateway", "engine_worker", "kestrel", "loadgen")
 SOURCE_DIRS = (*PACKAGES, "benchmarks", "deploy")
-MAX_LINES = 300
+MAX_LINES = 500  # a smoke alarm: a file is one noun, split by meaning (DESIGN.md)
 # package -> the packages of ours it may import
 ALLOWED = {
     "common": set(),

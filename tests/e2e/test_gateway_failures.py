@@ -98,7 +98,7 @@ def worker_end_of_last_request(gw: GatewayProc, wk: WorkerProc) -> dict[str, Any
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": "x" * 4097}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 65537}, "prompt"),  # over --max-prompt-chars
     ("/v1/completions", {"prompt": "hi", "temperature": 5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),

@@ -15,9 +15,9 @@ from gateway.admit import Admitter
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError
-from gateway.intake import EngineRequest
+from gateway.intake import Draft, EngineRequest
 from gateway.metrics import Metrics
-from gateway.service_time import ServiceTimes
+from gateway.schemas import GenerateRequest
 from gateway.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
@@ -27,17 +27,30 @@ class Setup:
     def __init__(self, info: m.TokenizerInfo, tok: GatewayTokenizer, **cfg: Any) -> None:
         self.client = EngineClient("inproc://unused")
         self.engine = FakeEngine(self.client, info, tok)
-        self.times = ServiceTimes()
         metrics = Metrics(lambda: [])
         self.rejections = Counter("rejections", "", ["reason"], registry=CollectorRegistry())
-        self.admit = Admitter(GatewayConfig(**cfg), self.client, self.times,
-                              Accounting(metrics, self.times, None), self.rejections)
+        self.admit = Admitter(GatewayConfig(**cfg), self.client, Accounting(metrics, None),
+                              self.rejections)
 
-    def request(self, seconds: float = 30.0, max_tokens: int = 4) -> EngineRequest:
+    def costs(self, decode_s: float, prefill_row_s: float, share: float = 0.5) -> None:
+        """The fake worker reports these measured step costs (as a heartbeat would)."""
+        self.engine.worker.stats = m.Stats(step_costs=m.StepCosts(
+            [(1.0, decode_s), (8.0, decode_s)], [(1, prefill_row_s)], share, 512))
+
+    def request(self, seconds: float | None = 30.0, max_tokens: int = 4,
+                prompt: int = 3) -> EngineRequest:
         now = time.monotonic()
-        return EngineRequest("generate", None, now, now + seconds, False,
-                             self.client.models["tiny"], [1, 2, 3],
+        return EngineRequest("generate", None, now, None if seconds is None else now + seconds,
+                             False, self.client.models["tiny"], [1] * prompt,
                              m.SamplingParams(max_tokens=max_tokens), [])
+
+    def reserve(self, req: EngineRequest | None = None) -> Any:
+        """admit.reserve for `req`'s draft (its body: the same prompt and max_tokens)."""
+        req = req or self.request()
+        body = GenerateRequest(prompt="x" * len(req.prompt_ids),
+                               max_new_tokens=req.params.max_tokens)
+        return self.admit.reserve(Draft(req.route, body, req.arrival, req.deadline, False,
+                                        prompt_chars=len(req.prompt_ids)))
 
     def rejected(self, reason: str) -> float:
         return self.rejections.labels(reason)._value.get()
@@ -61,7 +74,7 @@ def test_the_limit_is_the_setting_or_the_workers_capacity(setup: Setup,
 
 def test_draining_is_a_503_before_and_after_the_body(setup: Setup) -> None:
     setup.admit.draining = True
-    for call in (setup.admit.precheck, lambda: setup.admit.reserve(time.monotonic() + 5)):
+    for call in (setup.admit.precheck, setup.reserve):
         with pytest.raises(APIError) as exc:
             call()
         assert (exc.value.status, exc.value.code) == (503, "shutting_down")
@@ -70,8 +83,8 @@ def test_draining_is_a_503_before_and_after_the_body(setup: Setup) -> None:
 
 def test_a_full_queue_is_a_429_with_retry_after_at_once(setup: Setup) -> None:
     async def go() -> None:
-        first = setup.admit.reserve(time.monotonic() + 30)
-        second = setup.admit.reserve(time.monotonic() + 30)  # queued behind it
+        first = setup.reserve()
+        second = setup.reserve()  # queued behind it
         assert first.granted and not second.granted
         with pytest.raises(APIError) as exc:
             setup.admit.precheck()
@@ -89,11 +102,11 @@ def test_a_full_queue_is_a_429_with_retry_after_at_once(setup: Setup) -> None:
 def test_start_sends_the_request_and_close_gives_the_slot_back(setup: Setup) -> None:
     async def go() -> None:
         req = setup.request()
-        ticket = setup.admit.reserve(req.deadline)
+        ticket = setup.reserve(req)
         setup.admit.check_fit(req, ticket)  # nothing measured yet: it fits
         gen = await setup.admit.start(req, ticket)
         [sent] = [msg for msg in setup.engine.sent if isinstance(msg, m.Generate)]
-        assert sent.prompt_token_ids == [1, 2, 3] and sent.params.max_tokens == 4
+        assert sent.prompt_token_ids == [1, 1, 1] and sent.params.max_tokens == 4
         assert 29 < sent.timeout_s <= 30  # the time left, never a wall-clock instant
         assert setup.admit.admission.outstanding == 1
         events = [e async for e in gen.events()]
@@ -106,9 +119,9 @@ def test_start_sends_the_request_and_close_gives_the_slot_back(setup: Setup) -> 
 def test_a_deadline_passed_in_the_queue_is_a_504_and_the_place_is_given_back(
         setup: Setup) -> None:
     async def go() -> None:
-        holder = setup.admit.reserve(time.monotonic() + 30)
+        holder = setup.reserve()
         req = setup.request(seconds=0.05)
-        waiting = setup.admit.reserve(req.deadline)
+        waiting = setup.reserve(req)
         with pytest.raises(APIError) as exc:
             await setup.admit.start(req, waiting)
         assert (exc.value.status, exc.value.code) == (504, "timeout")
@@ -122,7 +135,7 @@ def test_a_model_no_ready_worker_serves_is_a_503_at_once(setup: Setup) -> None:
     async def go() -> None:
         setup.engine.worker.draining = True
         req = setup.request()
-        ticket = setup.admit.reserve(req.deadline)
+        ticket = setup.reserve(req)
         with pytest.raises(APIError) as exc:
             await setup.admit.start(req, ticket)
         assert (exc.value.status, exc.value.code) == (503, "no_worker")
@@ -133,13 +146,62 @@ def test_a_model_no_ready_worker_serves_is_a_503_at_once(setup: Setup) -> None:
 
 def test_check_fit_refuses_what_cannot_finish_in_time(setup: Setup) -> None:
     async def go() -> None:
-        setup.times.observe("fake-worker", 1, 3, 0.01, 0.5)  # 0.5 s a token
+        setup.costs(decode_s=0.5, prefill_row_s=0.001)  # 0.5 s a token
         req = setup.request(seconds=2.0, max_tokens=100)  # ~50 s even on an idle worker
-        ticket = setup.admit.reserve(req.deadline)
+        ticket = setup.reserve(setup.request(max_tokens=1))
         with pytest.raises(APIError) as exc:
             setup.admit.check_fit(req, ticket)
         assert (exc.value.status, exc.value.code) == (400, "deadline_unreachable")
         setup.admit.check_fit(setup.request(seconds=30.0, max_tokens=4), ticket)  # ~2 s: fits
         ticket.cancel()
+        assert len(setup.admit.admission.backlog) == 0
 
     asyncio.run(go())
+
+
+def test_a_request_without_a_deadline_waits_however_long_the_backlog(
+        smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> None:
+    """No timeout asked and none set by the operator: never refused on an estimate, queued."""
+    setup = Setup(smollm2_info, smollm2, max_outstanding=1, max_queue=4)
+
+    async def go() -> None:
+        setup.costs(decode_s=10.0, prefill_row_s=1.0)  # a very slow host
+        holder = setup.reserve(setup.request(seconds=None, max_tokens=1000))
+        req = setup.request(seconds=None, max_tokens=1000)
+        waiting = setup.reserve(req)
+        setup.admit.check_fit(req, waiting)  # no deadline: nothing to check
+        assert holder.granted and not waiting.granted
+        assert setup.rejected("would_miss_deadline") == 0
+        waiting.cancel()
+        holder.cancel()
+
+    asyncio.run(go())
+    setup.client.link.close()
+
+
+def test_a_burst_is_admitted_only_as_far_as_it_can_finish_by_its_deadline(
+        smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> None:
+    """Every request of a burst counts the ones reserved before it (not yet tokenized, not yet
+    running): 8 seats at 0.1 s a step, 50 tokens a request: a round of 8 takes 5 s, and with
+    the margin (x1.25) four rounds fit in 30 s (25 s), a fifth does not (31 s). Of 64 requests
+    asking 30 s, 32 are admitted; the rest get 429 at once, before any runs."""
+    setup = Setup(smollm2_info, smollm2, max_outstanding=0, max_queue=100)
+
+    async def go() -> None:
+        setup.costs(decode_s=0.1, prefill_row_s=0.001)
+        tickets, refused = [], 0
+        for _ in range(64):
+            try:
+                tickets.append(setup.reserve(setup.request(seconds=30.0, max_tokens=50)))
+            except APIError as exc:
+                assert (exc.status, exc.code) == (429, "would_miss_deadline")
+                assert int(exc.headers["Retry-After"]) >= 1
+                refused += 1
+        assert len(tickets) == 32 and refused == 32
+        assert setup.rejected("would_miss_deadline") == refused
+        for t in tickets:
+            t.cancel()
+        assert len(setup.admit.admission.backlog) == 0  # nothing counted is left behind
+
+    asyncio.run(go())
+    setup.client.link.close()

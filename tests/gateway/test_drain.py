@@ -4,10 +4,12 @@ rates: the estimate, the 429 for a request that would miss its deadline, its Ret
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from gateway.admission import Admission, QueueFull, WouldMissDeadline
+from gateway.admission import Admission, QueueFull
+from gateway.backlog import Work
 from gateway.drain import DrainEstimator
 
 
@@ -72,33 +74,13 @@ def test_expected_wait_is_the_queue_ahead_over_the_drain_rate() -> None:
     async def body() -> None:
         adm, _ = admission(rate=4.0)
         assert adm.expected_wait() == 0.0  # a slot is free
-        adm.reserve(10)
-        adm.reserve(10)  # both slots taken
+        adm.reserve()
+        adm.reserve()  # both slots taken
         assert adm.expected_wait() == pytest.approx(1 / 4, rel=0.05)
         for _ in range(7):
-            adm.reserve(100)
+            adm.reserve()
         assert adm.waiting == 7
         assert adm.expected_wait() == pytest.approx(8 / 4, rel=0.05)
-
-    asyncio.run(body())
-
-
-def test_a_request_that_would_miss_its_deadline_is_refused_at_once() -> None:
-    async def body() -> None:
-        adm, _ = admission(rate=4.0, held_s=1.0)
-        adm.reserve(10)
-        adm.reserve(10)
-        for _ in range(7):
-            adm.reserve(100)
-        # 8th in line: a wait of 8 / 4 = 2 s plus 1 s to run does not fit in 2.5 s...
-        with pytest.raises(WouldMissDeadline) as exc:
-            adm.reserve(2.5)
-        assert adm.waiting == 7  # nothing was queued
-        # ...it would have fitted behind floor((2.5 - 1) * 4) - 1 = 5 waiters: 2 must drain.
-        assert exc.value.retry_after == pytest.approx(2 / 4, rel=0.05)
-        assert exc.value.reason == "would_miss_deadline"
-        ticket = adm.reserve(3.5)  # 2 + 1 <= 3.5: queued
-        assert not ticket.granted and adm.waiting == 8
 
     asyncio.run(body())
 
@@ -107,23 +89,27 @@ def test_the_fixed_bound_still_caps_the_queue() -> None:
     async def body() -> None:
         adm, _ = admission(rate=1000.0, max_queue=3)
         for _ in range(5):
-            adm.reserve(100)
+            adm.reserve()
         with pytest.raises(QueueFull) as exc:
-            adm.reserve(100)
+            adm.reserve()
         assert exc.value.reason == "queue_full" and exc.value.retry_after > 0
 
     asyncio.run(body())
 
 
-def test_before_any_rate_the_queue_holds_one_round_of_slots() -> None:
+def test_before_any_cost_is_reported_a_deadline_gets_one_round_of_queue_places() -> None:
+    """With no measured step costs, requests with a deadline get the free slots and one round
+    of places behind them; a request without one waits in the bounded queue regardless."""
     async def body() -> None:
         adm = Admission(lambda: 2, 64, DrainEstimator(), workers=lambda: ["w1"],
                         cold_queue=lambda: 2)
         for _ in range(4):
-            adm.reserve(1.0)
+            adm.reserve(Work("m", 10, 10, deadline=time.monotonic() + 1.0))
         assert adm.expected_wait() is None
         with pytest.raises(QueueFull):
-            adm.reserve(1.0)
+            adm.reserve(Work("m", 10, 10, deadline=time.monotonic() + 1.0))
+        adm.reserve(Work("m", 10, 10))  # no deadline: queued
+        assert adm.waiting == 3
 
     asyncio.run(body())
 

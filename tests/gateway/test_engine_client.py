@@ -76,19 +76,15 @@ def test_each_send_carries_the_time_left_not_a_wall_clock_deadline() -> None:
     asyncio.run(run())
 
 
-def test_each_request_knows_the_largest_batch_it_ran_in_on_its_worker() -> None:
-    """Its service time is learned under that batch size (not the heartbeat's running count,
-    which says 0 once it has ended): a batch's slower steps are never taken for one row's."""
+def test_a_workers_load_counts_the_sequences_of_our_requests_on_it() -> None:
     async def run() -> None:
         client, _, _ = client_with_workers(1)
-        first = await client.submit("tiny", gen("r1"), deadline=None)
-        assert first.peak_batch == 1
+        await client.submit("tiny", gen("r1"), deadline=None)
         four = m.Generate("r2", [1], m.SamplingParams(max_tokens=4, n=3))
         second = await client.submit("tiny", four, deadline=None)
-        assert second.peak_batch == 4 and first.peak_batch == 4  # 1 + 3 choices
+        assert client.load("tiny") == [("w0", 4)]  # 1 + 3 choices
         client.release(second)
-        third = await client.submit("tiny", gen("r3"), deadline=None)
-        assert third.peak_batch == 2 and first.peak_batch == 4  # a peak, not the latest
+        await client.submit("tiny", gen("r3"), deadline=None)
         assert client.load("tiny") == [("w0", 2)]
         client.link.close()
 

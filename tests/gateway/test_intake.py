@@ -17,7 +17,6 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError
 from gateway.intake import Draft, EngineRequest, Intake
-from gateway.service_time import ServiceTimes
 from gateway.tenancy import cache_salt
 from gateway.tokenizer import GatewayTokenizer
 from protocol import messages as m
@@ -46,7 +45,7 @@ def intake(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
     client = EngineClient("inproc://unused")
     FakeEngine(client, smollm2_info, smollm2, max_model_len=200)
     yield Intake(GatewayConfig(max_prompt_chars=300, max_tokens_cap=100, default_timeout_s=20),
-                 client, ServiceTimes())
+                 client)
     client.link.close()
 
 
@@ -71,7 +70,9 @@ def refused(intake: Intake, route: str, data: Any) -> APIError:
 def test_read_decides_the_deadline_and_streaming_once(intake: Intake) -> None:
     draft = read(intake, "chat", {"messages": CHAT, "stream": True, "timeout": 5})
     assert draft.deadline == 105.0 and draft.stream and draft.route == "chat"
-    assert read(intake, "chat", {"messages": CHAT, "timeout": 99}).deadline == 120.0
+    # Honoured in full, longer than the operator's default for requests that name none.
+    assert read(intake, "chat", {"messages": CHAT, "timeout": 99}).deadline == 199.0
+    assert read(intake, "chat", {"messages": CHAT}).deadline == 120.0
     assert not read(intake, "completions", {"prompt": "x"}).stream
     assert read(intake, "generate_stream", {"prompt": "x", "stream": False}).stream
     assert not read(intake, "generate", {"prompt": "x"}).stream
@@ -149,7 +150,7 @@ def test_a_structured_request_carries_its_grammar(intake: Intake) -> None:
 def test_no_model_yet_is_a_503(smollm2_info: m.TokenizerInfo) -> None:
     client = EngineClient("inproc://unused")
     with pytest.raises(APIError) as exc:
-        Intake(GatewayConfig(), client, ServiceTimes()).model(None)
+        Intake(GatewayConfig(), client).model(None)
     assert exc.value.status == 503 and exc.value.code == "no_worker"
     client.link.close()
 
@@ -168,7 +169,7 @@ def qwen_intake(smollm2_info: m.TokenizerInfo) -> Any:
     client = EngineClient("inproc://unused")
     FakeEngine(client, info, GatewayTokenizer(info), max_model_len=2048)
     yield Intake(GatewayConfig(max_prompt_chars=5000, max_tokens_cap=100, default_timeout_s=20),
-                 client, ServiceTimes())
+                 client)
     client.link.close()
 
 

@@ -89,6 +89,8 @@ def test_one_namespace_units_in_names_and_buckets_from_1ms_to_60s() -> None:
     for f in families:
         if f.type == "histogram":
             assert f.name.endswith(("_seconds", "_tokens")), f.name
+            if f.name.startswith("kestrel_worker_"):
+                continue  # a worker's own histograms, with its own edges (test_worker_steps)
             les = sorted({float(s.labels["le"]) for s in f.samples if s.name.endswith("_bucket")})
             if f.name.endswith("_seconds"):
                 assert les[0] == 0.001 and les[-2] == 60.0 and les[-1] == float("inf")

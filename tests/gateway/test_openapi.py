@@ -20,7 +20,6 @@ from gateway.engine_client import EngineClient
 from gateway.errors import APIError
 from gateway.intake import Intake
 from gateway.openapi import OpenAPIDocument, server_figures
-from gateway.service_time import ServiceTimes
 from gateway.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
@@ -39,7 +38,7 @@ MODELS = {"completions": "CompletionRequest", "chat": "ChatCompletionRequest",
 def served(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
     client = EngineClient("inproc://unused")
     FakeEngine(client, smollm2_info, smollm2, model_id="tiny", max_model_len=CONTEXT)
-    yield client, Intake(CFG, client, ServiceTimes())
+    yield client, Intake(CFG, client)
     client.link.close()
 
 

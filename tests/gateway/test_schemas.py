@@ -4,7 +4,6 @@ the limits a request runs under (Intake.sampling and Intake.deadline)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -171,10 +170,9 @@ def gw_state() -> GatewayState:
     return GatewayState(GatewayConfig(max_tokens_cap=30, default_timeout_s=10))
 
 
-def params(state: Any, prompt_len: int, max_tokens: int | None, default_max: int = 512,
-           seconds: float = 10.0) -> Any:
-    return state.intake.sampling(_Model(), prompt_len, max_tokens, default_max,
-                             time.monotonic() + seconds)
+def params(state: Any, prompt_len: int, max_tokens: int | None,
+           default_max: int | None = 512) -> Any:
+    return state.intake.sampling(_Model(), prompt_len, max_tokens, default_max)
 
 
 def test_absent_max_tokens_is_the_routes_default_within_cap_and_context(gw_state: Any) -> None:
@@ -184,15 +182,15 @@ def test_absent_max_tokens_is_the_routes_default_within_cap_and_context(gw_state
     assert params(gw_state, 10, 20).max_tokens == 20
 
 
-def test_absent_max_tokens_is_cut_to_what_the_deadline_fits(gw_state: Any) -> None:
-    gw_state.intake.load = lambda model_id: [("w", 0)]  # idle
-    assert params(gw_state, 10, None, seconds=1.0).max_tokens == 30  # nothing measured yet
-    # 0.1 s for 10 prompt tokens, then 50 ms a token
-    gw_state.intake.service_times.observe("w", 1, 10, 0.1, 0.05)
-    cut = params(gw_state, 10, None, seconds=1.0).max_tokens
-    assert cut in (17, 18)  # (1.0 - 0.1) / 0.05, less the time this call took
-    assert params(gw_state, 10, 25, seconds=1.0).max_tokens == 25  # asked for: kept
-    assert params(gw_state, 10, None, seconds=0.01).max_tokens == 1  # at least one
+def test_a_chat_without_max_tokens_runs_to_the_context_never_cut_to_an_estimate() -> None:
+    """The chat route's default is the rest of the context (vLLM's), whatever the workers'
+    measured speed and whatever deadline: before, it was cut to what a 30 s deadline fit."""
+    state = GatewayState(GatewayConfig(max_tokens_cap=1000, default_timeout_s=1))
+    from gateway.intake import ROUTES
+
+    assert ROUTES["chat"].default_max_tokens is None
+    assert params(state, 10, None, default_max=None).max_tokens == 90  # the context's room
+    assert params(state, 10, None, default_max=16).max_tokens == 16  # completions: OpenAI's
 
 
 @pytest.mark.parametrize(("prompt_len", "max_tokens"), [(100, None), (90, 11), (1, 100)])
@@ -203,8 +201,15 @@ def test_beyond_the_context_is_a_400(gw_state: Any, prompt_len: int,
     assert exc.value.status == 400 and exc.value.code == "context_length_exceeded"
 
 
-def test_a_client_timeout_may_only_shorten_the_default_deadline(gw_state: Any) -> None:
-    assert gw_state.intake.deadline(50.0, None) == 60.0
-    assert gw_state.intake.deadline(50.0, 2.5) == 52.5
-    assert gw_state.intake.deadline(50.0, 1e9) == 60.0
-    assert gw_state.intake.deadline(50.0, float("inf")) == 60.0
+def test_a_client_timeout_is_honoured_in_full_up_to_the_operators_maximum() -> None:
+    """Before, a request's timeout was capped at the 30 s default: a 600 s timeout was 30 s."""
+    default = GatewayState(GatewayConfig()).intake
+    assert default.deadline(50.0, None) is None  # no timeout asked, none set: no deadline
+    assert default.deadline(50.0, 600.0) == 650.0  # in full
+    bounded = GatewayState(GatewayConfig(default_timeout_s=10, max_timeout_s=100)).intake
+    assert bounded.deadline(50.0, None) == 60.0  # the operator's default
+    assert bounded.deadline(50.0, 99.0) == 149.0  # longer than the default: honoured
+    assert bounded.deadline(50.0, 1e9) == 150.0  # held to the maximum
+    assert bounded.deadline(50.0, float("inf")) == 150.0
+    with pytest.raises(ValueError):
+        GatewayConfig(default_timeout_s=200, max_timeout_s=100)

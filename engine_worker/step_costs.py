@@ -1,0 +1,175 @@
+"""What an engine step costs on this host for this model, measured, and how many prefill rows a
+step may therefore carry. No torch.
+
+    Engine.probe() at start, then every Engine.step() ──observe(decode_rows, prefill_rows, s)──▶
+        decode: seconds of a step by its decode rows (EWMA per bucket 1, 2, 4, ... 256)
+        prefill: seconds each prefill row adds to a step (EWMA per bucket 1, 16, 32, ... 4096)
+    Scheduler.schedule() ──prefill_rows(decode_rows)──▶ this step's prefill rows
+    heartbeat ──report()──▶ m.StepCosts: the gateway's admission estimate and /metrics
+
+The policy (stall-free batching, as Sarathi-Serve's): while sequences decode, prefill may take
+`prefill_share` of a step, so a step that carries a prompt's chunk lasts at most
+decode(D) / (1 - share): the decoders' inter-token time is at most 1 / (1 - share) times what it
+is without prompts (2x at the default 0.5), on any host and any model, because both sides of that
+ratio are measured here. With nothing decoding there is nobody to stall: prefill takes the whole
+row cap (--max-num-batched-tokens) for throughput. A token budget tuned on one model does neither:
+512 rows of the 1.5B Qwen took 8 s a step on a 2-core EPYC, and every decoder waited for it.
+
+A mixed step teaches the prefill side what it took beyond the decode estimate; a decode-only step
+teaches the decode side. Costs never seen are borrowed from the nearest bucket measured (decode
+rows: linearly, from the two nearest), so a first step is never unbounded; `probe` measures a few
+shapes before the worker says Hello, so the first requests are sized (and admitted) by a
+measurement, not by a guess.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.step_model import decode_seconds, prefill_row_seconds
+from protocol import messages as m
+
+log = logging.getLogger("kestrel.engine")
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Histogram edges for /metrics: step seconds and prefill rows per step.
+STEP_SECONDS_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+PREFILL_ROWS_EDGES = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+ALPHA = 0.2  # EWMA weight of the newest step: a few dozen steps make the estimate
+LOG_EVERY_S = 30.0  # the sizing is logged when it changes by a quarter, at most this often
+
+
+def _bucket(edges: tuple[int, ...], rows: int) -> int:
+    """The largest edge <= rows (the first edge for fewer)."""
+    return edges[max(0, bisect.bisect_right(edges, rows) - 1)]
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else ALPHA * new + (1 - ALPHA) * old
+
+
+@dataclass
+class _Histogram:
+    edges: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per edge, then +Inf; not cumulative
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.edges) + 1)
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.edges, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, running = [], 0
+        for edge, count in zip((*self.edges, float("inf")), self.counts, strict=True):
+            running += count
+            out.append((float(edge), running))
+        return out
+
+
+class StepCosts:
+    def __init__(self, max_rows: int, prefill_share: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < prefill_share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
+        self.max_rows = max_rows  # --max-num-batched-tokens: a cap, never the policy
+        self.prefill_share = prefill_share
+        # bucket -> (mean decode rows, mean seconds) of decode-only steps
+        self._decode: dict[int, tuple[float, float]] = {}
+        self._prefill: dict[int, float] = {}  # bucket -> seconds a prefill row adds
+        self.step_seconds = _Histogram(STEP_SECONDS_EDGES)
+        self.prefill_rows_hist = _Histogram(tuple(float(e) for e in PREFILL_ROWS_EDGES))
+        self.steps = 0
+        self._clock = clock
+        self._logged: tuple[int, float] | None = None  # (rows at 1 decoder, when)
+
+    # -- learning ------------------------------------------------------------------------------
+
+    def observe(self, decode_rows: int, prefill_rows: int, seconds: float) -> None:
+        """One step ran `decode_rows` one-token rows (drafts included) and `prefill_rows` prompt
+        rows in `seconds`."""
+        if seconds <= 0 or decode_rows + prefill_rows <= 0:
+            return
+        self.steps += 1
+        self.step_seconds.add(seconds)
+        self.prefill_rows_hist.add(float(prefill_rows))
+        if prefill_rows == 0:
+            b = _bucket(DECODE_BUCKETS, decode_rows)
+            rows, secs = self._decode.get(b, (None, None))
+            self._decode[b] = (_ewma(rows, float(decode_rows)), _ewma(secs, seconds))
+            return
+        if decode_rows == 0 and prefill_rows < PREFILL_BUCKETS[1]:
+            return  # a few prompt rows alone: a step's fixed cost, not a rate per row
+        base = self.decode_s(decode_rows) if decode_rows else 0.0
+        if base is None:
+            return  # a mixed step with no decode estimate at all says nothing about either part
+        per_row = max(seconds - base, 0.0) / prefill_rows
+        b = _bucket(PREFILL_BUCKETS, prefill_rows)
+        self._prefill[b] = _ewma(self._prefill.get(b), per_row)
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    def decode_s(self, rows: int) -> float | None:
+        """Seconds of a step with `rows` decode rows and no prefill; None: nothing measured."""
+        return decode_seconds(list(self._decode.values()), rows)
+
+    def prefill_row_s(self, rows: int) -> float | None:
+        """Seconds one prompt row adds to a step carrying `rows` of them; None: none measured."""
+        return prefill_row_seconds(list(self._prefill.items()), _bucket(PREFILL_BUCKETS, rows))
+
+    def step_target_s(self, decode_rows: int) -> float | None:
+        """The longest a step with `decode_rows` decoders may last; None: not measured."""
+        base = self.decode_s(decode_rows)
+        return None if base is None else base / (1.0 - self.prefill_share)
+
+    def prefill_rows(self, decode_rows: int) -> int:
+        """How many prompt rows a step with `decode_rows` decode rows may carry."""
+        cap = max(0, self.max_rows - decode_rows)
+        if decode_rows <= 0:
+            return cap  # nobody decodes: the cap, for throughput
+        base = self.decode_s(decode_rows)
+        if base is None or not self._prefill:
+            # Not measured yet (probe() does it at start): one small chunk, which measures it.
+            return min(cap, PREFILL_BUCKETS[1])
+        room = base * self.prefill_share / (1.0 - self.prefill_share)
+        best = 1
+        for i, edge in enumerate(PREFILL_BUCKETS):
+            per_row = self.prefill_row_s(edge) or 0.0
+            top = PREFILL_BUCKETS[i + 1] - 1 if i + 1 < len(PREFILL_BUCKETS) else cap
+            rows = top if per_row <= 0 else min(top, int(room / per_row))
+            if rows >= edge:
+                best = max(best, rows)
+        rows = min(cap, best)
+        self._log_choice(rows, decode_rows, base)
+        return rows
+
+    def _log_choice(self, rows: int, decode_rows: int, base: float) -> None:
+        now = self._clock()
+        last = self._logged
+        if last is not None and now - last[1] < LOG_EVERY_S and 0.75 * last[0] <= rows <= \
+                1.25 * max(1, last[0]):
+            return
+        self._logged = (rows, now)
+        log.info("step sizing: %d prefill rows with %d decoding (decode step %.1f ms, target "
+                 "%.1f ms, %.2f ms a prefill row)", rows, decode_rows, base * 1e3,
+                 base / (1 - self.prefill_share) * 1e3,
+                 (self.prefill_row_s(rows) or 0.0) * 1e3)
+
+    def report(self) -> m.StepCosts:
+        return m.StepCosts(
+            decode_s=sorted(self._decode.values()),
+            prefill_row_s=[(b, s) for b, s in sorted(self._prefill.items())],
+            prefill_share=self.prefill_share,
+            max_rows=self.max_rows,
+            step_seconds=self.step_seconds.cumulative(),
+            step_seconds_sum=self.step_seconds.total,
+            prefill_rows=self.prefill_rows_hist.cumulative(),
+            prefill_rows_sum=self.prefill_rows_hist.total,
+        )

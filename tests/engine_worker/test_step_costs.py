@@ -1,0 +1,115 @@
+"""engine_worker/step_costs.py and the scheduler's steps sized by it: prompt rows per step from
+measured time, never from a token count tuned on another model. No torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.step_model import decode_seconds, prefill_row_seconds
+from engine_worker.block_manager import BlockManager
+from engine_worker.scheduler import Scheduler
+from engine_worker.step_costs import StepCosts
+from tests.engine_worker.test_scheduler import EOS, FakeModel, make_seq
+
+# Measured on a 2-vCPU AMD EPYC (AVX2) for Qwen2.5-Coder-1.5B Q4_K_M (Engine.probe, this wave):
+# a decode step of 1 row 58 ms, 16 rows 282 ms; a prompt row ~15 ms.
+QWEN_15B = {"decode": [(1, 0.058), (4, 0.075), (16, 0.282)], "prefill": [(16, 0.016),
+                                                                         (64, 0.015)]}
+
+
+def costs(model: dict = QWEN_15B, max_rows: int = 512, share: float = 0.5) -> StepCosts:
+    c = StepCosts(max_rows, share)
+    for rows, s in model["decode"]:
+        c.observe(rows, 0, s)
+    for rows, per_row in model["prefill"]:
+        c.observe(0, rows, rows * per_row)
+    return c
+
+
+def test_decode_cost_is_linear_between_points_and_extends_from_the_two_widest() -> None:
+    pts = [(1.0, 0.05), (16.0, 0.2)]
+    assert decode_seconds(pts, 1) == 0.05 and decode_seconds(pts, 16) == 0.2
+    assert decode_seconds(pts, 8) == pytest.approx(0.05 + 0.15 * 7 / 15)
+    assert decode_seconds(pts, 32) == pytest.approx(0.2 + 0.01 * 16)  # the widest slope
+    assert decode_seconds([(4.0, 0.1)], 8) == pytest.approx(0.2)  # one point: no batching gain
+    assert decode_seconds([], 4) is None
+    buckets = [(16, 0.002), (64, 0.001)]
+    assert prefill_row_seconds(buckets, 32) == 0.002  # borrows the bucket below
+    assert prefill_row_seconds(buckets, 1) == 0.002  # none below: the nearest above
+    assert prefill_row_seconds(buckets, 128) == 0.001
+
+
+def test_with_decoders_a_step_carries_what_fits_in_its_share_of_the_time() -> None:
+    c = costs()
+    for decoding in (1, 4, 16):
+        rows = c.prefill_rows(decoding)
+        base = c.decode_s(decoding)
+        assert base is not None and rows >= 1
+        # the step with its prompt rows stays within the target: 2x a decode step at share 0.5
+        assert base + rows * c.prefill_row_s(rows) <= c.step_target_s(decoding) * 1.0001
+        # and one more row would not have fitted (rows are as many as the share allows)
+        assert base + (rows + 1) * c.prefill_row_s(rows + 1) > c.step_target_s(decoding)
+    # the 1.5B on that EPYC: 3 rows beside one decoder, 17 beside sixteen (not 512)
+    assert c.prefill_rows(1) == 3 and c.prefill_rows(16) == 17
+
+
+def test_with_nothing_decoding_prefill_takes_the_row_cap() -> None:
+    assert costs(max_rows=512).prefill_rows(0) == 512
+    assert costs(max_rows=2048).prefill_rows(0) == 2048
+
+
+def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
+    """Tuned on nothing: a model 10x cheaper per row gets its chunk from its own costs."""
+    small = {"decode": [(1, 0.012), (16, 0.025)], "prefill": [(16, 0.0008), (64, 0.0004)]}
+    big, little = costs(), costs(small)
+    # 25 ms of decode leaves 25 ms at 0.8 ms a row: 31 rows, against 17 for the 1.5B (whose
+    # decode step is 11x longer but whose row is 19x dearer)
+    assert (little.prefill_rows(16), big.prefill_rows(16)) == (31, 17)
+
+
+def test_unmeasured_costs_give_one_small_chunk_which_measures_them() -> None:
+    c = StepCosts(512)
+    assert c.prefill_rows(4) == 16
+    c.observe(4, 0, 0.1)
+    c.observe(4, 16, 0.1 + 16 * 0.01)  # that chunk: 10 ms a row beyond the decode step
+    assert c.prefill_row_s(16) == pytest.approx(0.01)
+    assert c.prefill_rows(4) == 10  # 0.1 s of room at 10 ms a row
+
+
+def test_steps_are_measured_into_histograms_for_metrics() -> None:
+    c = costs()
+    report = c.report()
+    assert report.prefill_share == 0.5 and report.max_rows == 512
+    assert dict(report.step_seconds)[float("inf")] == c.steps == 5
+    assert report.step_seconds_sum == pytest.approx(0.058 + 0.075 + 0.282 + 16 * 0.016 + 0.96)
+    assert dict(report.prefill_rows)[0.0] == 3  # the three decode-only steps
+    with pytest.raises(ValueError):
+        StepCosts(512, prefill_share=1.0)
+
+
+def test_the_scheduler_holds_a_prompt_chunk_to_the_measured_share_while_others_decode() -> None:
+    """Before, a step took max_num_batched_tokens (512) prompt rows whatever they cost: on the
+    1.5B that was an 8 s step, and every decoder waited for it."""
+    c = costs()
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
+                      max_model_len=2048, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
+    model = FakeModel()
+    sched.add(make_seq("a", 10, max_tokens=50))
+    first = sched.schedule()
+    assert [ch.num_tokens for ch in first] == [10]  # nothing decodes: the whole prompt
+    sched.update(first, model.run(first))
+    sched.add(make_seq("b", 300, max_tokens=5))
+    chunks = sched.schedule()
+    decode = [ch for ch in chunks if ch.seq.request_id == "a"]
+    prompt = [ch for ch in chunks if ch.seq.request_id == "b"]
+    assert [ch.num_tokens for ch in decode] == [1]
+    assert [ch.num_tokens for ch in prompt] == [c.prefill_rows(1)] == [3]
+    sched.update(chunks, model.run(chunks))
+    # the old policy, a token budget alone, would have taken all 300 rows in that step
+    plain = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
+                      max_model_len=2048, eos_token_ids=[EOS])
+    plain.add(make_seq("a", 10, max_tokens=50))
+    step = plain.schedule()
+    plain.update(step, FakeModel().run(step))
+    plain.add(make_seq("b", 300, max_tokens=5))
+    assert sorted(ch.num_tokens for ch in plain.schedule()) == [1, 300]
