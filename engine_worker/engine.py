@@ -178,8 +178,8 @@ class Engine:
     def probe(self, decode_rows: tuple[int, ...] = (1, 16),
               prefill_rows: tuple[int, ...] = (16, 32, 64)) -> None:
         """Time a few step shapes before any request, so the first requests are sized and
-        admitted by a measurement of this host and model. Runs on blocks no sequence holds (at start every block is free and nothing is
-        cached); what it writes there is never read."""
+        admitted by a measurement of this host and model. Runs on blocks no sequence holds (at
+        start every block is free and nothing is cached); what it writes there is never read."""
         bs, nblocks = self.runner.block_size, self.runner.num_blocks
         context = min(4 * bs, self.runner.max_model_len - 1)  # a short decode context
         per_row = -(-(context + 1) // bs)
