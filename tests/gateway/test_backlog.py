@@ -64,26 +64,25 @@ def test_what_a_running_request_has_produced_no_longer_counts() -> None:
 
 
 def test_a_later_admission_spends_the_slack_of_the_deadlines_before_it() -> None:
-    """A request due in 2 s with 1.25 s of work (margin included) has 0.75 s to spare: a later
-    one whose prompt of 700 rows would add 0.875 s to its steps is refused, however loose its
-    own deadline; one of 100 rows (0.125 s) is admitted, and spends that much."""
+    """A request with 1 s of work (margin included) due in 1 s more than that has 1 s to spare:
+    a later one whose prompt would add more than that to its steps is refused, however loose
+    its own deadline; a smaller one is admitted, and spends what it adds."""
     b = backlog(seats=4)
-    clock = Clock()
-    b._clock = clock
-    tight = Work("m", 0, 10, deadline=clock.now + 2.0)
+    tight = Work("m", 0, 10, deadline=b._clock() + MARGIN * 1.0 + 1.0)
     b.add(tight)
     b.commit(tight, b.decide(tight))
-    assert tight.slack == pytest.approx(2.0 - MARGIN * 1.0)
-    big = Work("m", 700, 1, deadline=clock.now + 1000)
+    assert tight.slack == pytest.approx(1.0)
+    rows_over = int(1.2 / (MARGIN * 0.001))  # adds 1.2 s to tight's steps
+    big = Work("m", rows_over, 1, deadline=b._clock() + 1000)
     decision = b.decide(big)
-    assert decision is not None and decision.short_by == pytest.approx(0.125)
-    small = Work("m", 100, 1, deadline=clock.now + 1000)
+    assert decision is not None and decision.short_by == pytest.approx(0.2, abs=0.01)
+    small = Work("m", int(0.4 / (MARGIN * 0.001)), 1, deadline=b._clock() + 1000)  # 0.4 s
     fits = b.decide(small)
     assert fits is not None and fits.short_by <= 0
     b.add(small)
     b.commit(small, fits)
-    assert b.spent == pytest.approx(MARGIN * 100 * 0.001)
-    assert b.decide(big).short_by > 0  # what small spent is gone from tight's slack
+    assert b.spent == pytest.approx(0.4, abs=0.01)
+    assert b.decide(Work("m", int(0.7 / (MARGIN * 0.001)), 1)).short_by > 0  # 0.4 + 0.7 > 1
 
 
 def test_other_models_and_unmeasured_models_do_not_count() -> None:
@@ -102,3 +101,18 @@ def test_n_choices_take_n_seats_and_the_slowest_worker_stands_for_all() -> None:
     cap = capacity_of([(fast, 4), (COSTS, 4), (None, 8)])
     assert cap is not None and cap.costs is COSTS and (cap.seats, cap.workers) == (16, 3)
     assert capacity_of([(None, 4)]) is None
+
+
+def test_deciding_again_after_tokenizing_does_not_count_its_own_cost_twice() -> None:
+    b = backlog(seats=4)
+    tight = Work("m", 0, 10, deadline=b._clock() + MARGIN * 1.0 + 1.0)  # 1 s to spare
+    b.add(tight)
+    b.commit(tight, b.decide(tight))
+    later = Work("m", int(0.75 / (MARGIN * 0.001)), 1, deadline=b._clock() + 100)  # 0.75 s
+    b.add(later)
+    b.commit(later, b.decide(later))
+    later.prompt_tokens = int(0.6 / (MARGIN * 0.001))  # tokenized: fewer tokens than chars
+    again = b.decide(later)
+    assert again is not None and again.short_by <= 0  # 0.6 s spent in all, not 0.75 + 0.6
+    b.commit(later, again)
+    assert b.spent == pytest.approx(0.6, abs=0.01)
