@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_vs_llamacpp import free_port, start_ours, wait_ready  # noqa: E402
+from benchmarks.bench_vs_llamacpp import free_port, start_ours, stop, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name} at {c}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
                           flush=True)
                 finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    stop(proc)
     print("\n| server | streams | finished | output tok/s | TTFT p50 / p99 (ms) | "
           "ITL p50 / p99 (ms) | goodput |")
     print("|---|---|---|---|---|---|---|")

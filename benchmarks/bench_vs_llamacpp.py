@@ -86,6 +86,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) ->
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def load(url: str, streams: int, requests: int, tokenizer: Path, seed: int,
          prompt: int = PROMPT, output: int = OUTPUT) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,11 +128,7 @@ def measure(name: str, proc: subprocess.Popen[bytes], url: str, args: argparse.N
         # prefill: 16 prompts of 128 tokens at once, one new token each
         pre = load(url, 16, 16, tokenizer, seed + 2, prompt=128, output=1)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     nan = float("nan")  # a figure with no samples (every request failed) is null in the JSON
     row = {"itl_p50_1": one["itl"]["p50"] or nan, "tok_s_1": one["output_throughput"] or nan,
            "tok_s_16": many["output_throughput"] or nan, "ttft_p50_1": one["ttft"]["p50"] or nan,

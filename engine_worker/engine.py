@@ -198,14 +198,16 @@ class Engine:
             p = min(p, self.runner.max_model_len, self.costs.max_rows, nblocks * bs)
             if p > 1:
                 shapes.append([StepItem([0] * p, 0, list(range(-(-p // bs))))])
+        # The eager path: a compiled decode would compile a graph per shape here (minutes); it
+        # is measured by the steps it serves.
         for items in shapes:
-            self.runner.execute(items)  # the first run of a shape may build what it needs
+            self.runner.execute(items, compiled=False)  # the first run of a shape may build
             seconds = []
             one = len(items[0].token_ids) == 1
             sampled = [SamplerInput(m.SamplingParams(), [], None) for _ in items]
             for _ in range(2):  # the least of two: a process starting beside it is no cost
                 started = time.perf_counter()
-                logits = self.runner.execute(items)
+                logits = self.runner.execute(items, compiled=False)
                 if one:  # a decode step samples every row
                     self.sampler(logits, sampled)
                 seconds.append(time.perf_counter() - started)

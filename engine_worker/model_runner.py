@@ -110,12 +110,13 @@ class ModelRunner:
         self.model.decode_stack = self.decode_stack if on else None
 
     @torch.inference_mode()
-    def execute(self, items: list[StepItem]) -> torch.Tensor:
+    def execute(self, items: list[StepItem], compiled: bool = True) -> torch.Tensor:
         """float32 logits (R, V), one forward pass: a row for the last token of each item, or
-        rows for all its tokens when `item.all_logits`, in item order."""
+        rows for all its tokens when `item.all_logits`, in item order. `compiled=False`: the
+        eager path even where a compiled decode serves (a probe must not compile a graph)."""
         if not items:
             raise ValueError("execute needs at least one item")
-        if self.compiled is not None and self.compiled.supports(items):
+        if compiled and self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
         ids, positions, meta, rows = self._prepare(items)
         choice = self.thread_choice if self.model.decode_stack is not None else None

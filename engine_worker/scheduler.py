@@ -272,6 +272,11 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
+        if self.prefill_rows is not None and remaining <= self.block_manager.block_size:
+            # A prompt's last block goes whole, however small the step's share: a warm run (the
+            # rest of the prompt past its cached blocks) is then computed in one chunk alone or
+            # among others, and gives the same numbers (tests/e2e/test_batch_invariance.py).
+            n = remaining
         return ScheduledChunk(seq, seq.num_computed_tokens, n, sample=n == remaining)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -11,9 +11,9 @@ them that takes a request with a deadline only if it can finish before it.
 Each admitted request is a Work in the Backlog from its reservation until its slot (or ticket) is
 given back: whether a deadline can be met is decided against everything admitted before it, a
 burst still being tokenized included, from the costs the workers measured (gateway.backlog). A
-request without a deadline is never refused on an estimate: it waits in the bounded queue. Before
-any worker has reported its costs, a request with a deadline gets a slot free now or
-`cold_queue()` places at most. Retry-After comes from the drain rate of the workers
+request without a deadline is never refused on an estimate: it waits in the bounded queue. Every
+worker reports its costs in its Hello; a model none reports for is not estimated (its requests'
+deadlines still bound them). Retry-After comes from the drain rate of the workers
 (gateway.drain.DrainEstimator) or the estimate's overshoot.
 
 The timeout is a timer on the waiter's own future, not asyncio.wait_for: before Python 3.12,
@@ -126,15 +126,12 @@ class Admission:
     def __init__(self, limit: Callable[[], int], max_queue: int,
                  estimator: DrainEstimator | None = None,
                  workers: Callable[[], Iterable[str]] = lambda: (),
-                 cold_queue: Callable[[], int] | None = None,
                  capacity: Callable[[str], Capacity | None] = lambda _model: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._limit = limit  # read each time: the default follows the workers that are ready
         self.max_queue = max_queue
         self.estimator = estimator or DrainEstimator()
         self._workers = workers  # ids of the workers ready now (their drain rates add up)
-        # Most waiters with a deadline before any worker reported its costs (None: max_queue).
-        self._cold_queue = cold_queue
         self.backlog = Backlog(capacity, clock)
         self.clock = clock
         self.outstanding = 0
@@ -197,12 +194,8 @@ class Admission:
         without making a request admitted before it miss its own."""
         assert work.deadline is not None
         budget = work.deadline - self.clock()
-        if decision is None:  # no worker has reported its costs yet
-            ahead = len(self._waiters)
-            if not free and self._cold_queue is not None and ahead >= max(1, self._cold_queue()):
-                raise QueueFull(f"{self.outstanding} requests running and {ahead} queued, and "
-                                "no step costs measured yet", 1.0)
-            return
+        if decision is None:  # no ready worker of its model, or none that reports its costs:
+            return  # nothing to decide with (start() answers 503; its deadline still bounds it)
         if decision.finish_s > budget:
             alone = self.backlog.idle_s(replace(work, prompt_tokens=0))
             if alone is not None and alone > budget:

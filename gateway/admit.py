@@ -44,8 +44,7 @@ class Admitter:
         fixed = cfg.max_outstanding
         self.limit: Callable[[], int] = (lambda: fixed) if fixed else client.registry.capacity
         self.admission = Admission(self.limit, cfg.max_queue, DrainEstimator(),
-                                   workers=client.registry.ready_ids, cold_queue=self.limit,
-                                   capacity=self.capacity)
+                                   workers=client.registry.ready_ids, capacity=self.capacity)
 
     def capacity(self, model: str) -> Capacity | None:
         """The model's ready workers: their measured step costs and seats."""

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,39 @@ def read_response(s: socket.socket) -> bytes:
             break
         got += chunk
     return got
+
+
+class throttled:  # noqa: N801 (a context manager, named for what the process is in it)
+    """The process runs `run_s` of every `run_s + stop_s` seconds (SIGSTOP / SIGCONT from a
+    thread) while in the block: a host slower than the one its step costs were measured on, for
+    tests of a deadline the estimate missed. Each stop is far shorter than the heartbeat timeout."""
+
+    def __init__(self, proc: Proc, run_s: float = 0.01, stop_s: float = 0.09) -> None:
+        assert proc.popen is not None
+        self.pid, self.run_s, self.stop_s = proc.popen.pid, run_s, stop_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        while not self._done.is_set():
+            os.kill(self.pid, signal.SIGSTOP)
+            self._done.wait(self.stop_s)
+            os.kill(self.pid, signal.SIGCONT)
+            self._done.wait(self.run_s)
+
+    def __enter__(self) -> throttled:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def decode_step_s(gw: GatewayProc) -> float:
+    """The one-row decode step the gateway's worker measured (its /metrics)."""
+    for line in httpx.get(gw.base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith('kestrel_worker_decode_step_cost_seconds{rows="1"'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no decode step cost in /metrics")

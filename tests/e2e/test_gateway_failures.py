@@ -9,10 +9,14 @@ and the 500 path get their own gateway and worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,16 +51,34 @@ def server(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc, http
 
 @pytest.fixture(scope="module")
 def cold_server(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc, httpx.Client]]:
-    """Like `server`, but no request ever runs its course on it, so the gateway has measured no
-    rate and admits any deadline: what the deadline tests need, since a warm gateway refuses at
-    once (400) a request it knows cannot finish in time. Their 504 and "timeout" paths remain
-    for a request whose estimate was wrong."""
+    """Like `server`, for the deadline tests: a request is admitted only if the worker's
+    measured step costs say it fits its deadline, so these tests make the estimate wrong the way
+    a host does, by stalling the worker (SIGSTOP, shorter than the heartbeat timeout) after the
+    request is admitted: its 504 and "timeout" paths are then what a client meets."""
     with GatewayProc("--api-keys", KEY, "--max-outstanding", "1", "--max-queue", "1") as gw, \
             WorkerProc(tiny_model_dir, gw.engine_address, *ONE_THREAD, "--max-num-seqs", "1",
                        "--max-model-len", str(MAX_MODEL_LEN)) as wk:
         gw.wait_ready()
         with httpx.Client(base_url=gw.base_url, headers=AUTH, timeout=30) as http:
             yield gw, wk, http
+
+
+@contextlib.contextmanager
+def stalled(wk: WorkerProc, seconds: float = 0.8) -> Iterator[None]:
+    """The worker process stopped for `seconds` from now (in a thread), then resumed."""
+    assert wk.popen is not None
+    pid = wk.popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.join()
+
+
+# What fits 0.3 s by the tiny model's measured costs (a few ms a token), not by a stalled worker.
+SHORT = {**LONG, "max_tokens": 20}
 
 
 def no_trace(text: str) -> None:
@@ -308,23 +330,26 @@ def test_a_deadline_shorter_than_the_generation_gets_504_and_stops_the_worker(
     gw, wk, http = cold_server
     wait_idle(http)
     start = time.monotonic()
-    err = error_of(http.post("/v1/completions", json={**LONG, "timeout": 0.3}), 504)
+    with stalled(wk):
+        err = error_of(http.post("/v1/completions", json={**SHORT, "timeout": 0.3}), 504)
     assert err["code"] == "timeout" and err["type"] == "timeout_error"
     assert 0.25 < time.monotonic() - start < 1.3
     # The worker stopped it: it ended cut short, not by running to max_tokens.
+    wait_idle(http)
     end = worker_end_of_last_request(gw, wk)
     assert set(end["finish_reasons"]) <= {"abort", "timeout"}, end
 
 
-def test_the_default_deadline_bounds_a_longer_client_timeout(tiny_model_dir: Path) -> None:
-    # Its own gateway: a default deadline this short would cut the other tests' requests short
-    # on a loaded machine.
-    with GatewayProc("--default-timeout-s", "1") as gw, \
-            WorkerProc(tiny_model_dir, gw.engine_address, *ONE_THREAD):
+def test_the_maximum_timeout_bounds_a_longer_client_timeout(tiny_model_dir: Path) -> None:
+    """A client's timeout is honoured up to --max-timeout-s (and in full without one:
+    tests/e2e/test_real_load.py); beyond it, held to the maximum."""
+    with GatewayProc("--max-timeout-s", "1") as gw, \
+            WorkerProc(tiny_model_dir, gw.engine_address, *ONE_THREAD) as wk:
         gw.wait_ready()
         start = time.monotonic()
-        resp = httpx.post(gw.base_url + "/v1/generate", timeout=30, json={
-            "prompt": "hi", "max_new_tokens": 1000, "ignore_eos": True, "timeout": 100})
+        with stalled(wk, 1.1):  # the 20 tokens fit 1 s by the estimate; the stall does not
+            resp = httpx.post(gw.base_url + "/v1/generate", timeout=30, json={
+                "prompt": "hi", "max_new_tokens": 20, "ignore_eos": True, "timeout": 100})
         error_of(resp, 504)
         assert 0.9 < time.monotonic() - start < 3
 
@@ -335,9 +360,9 @@ def test_a_stream_past_its_deadline_ends_with_finish_reason_timeout(cold_server:
                                                                     route: str) -> None:
     gw, wk, http = cold_server
     wait_idle(http)
-    body = {**LONG, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
-            "max_new_tokens": 900, "stream": True, "timeout": 0.3}
-    with http.stream("POST", route, json=body) as resp:
+    body = {**SHORT, "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 20,
+            "stream": True, "timeout": 0.3}
+    with stalled(wk), http.stream("POST", route, json=body) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, decode_step_s, throttled
 
 
 def _raw(gw: GatewayProc, data: bytes, read: bool = True, timeout: float = 10) -> bytes:
@@ -143,24 +143,31 @@ def test_a_queued_stream_gets_keep_alive_comments(tight: Any) -> None:
 
 
 def test_a_stream_that_is_never_read_frees_its_slot_at_its_deadline(tight: Any) -> None:
-    gw, _ = tight
+    gw, wk = tight
     wait_until(lambda: outstanding(gw) == 0, 10, "idle")
-    # Eight choices with logprobs fill the socket buffers (in about 10 s on the tiny model
-    # here): before the fix the send then blocked, and the slot stayed taken as long as the
-    # client kept its socket open (past 30 s with a deadline of 15 s). How soon the buffers fill
-    # depends on the machine's speed, so tests/gateway/test_streaming.py shows the blocked send
-    # deterministically; this shows the slot coming back at the deadline end to end.
-    body = {**LONG_CHAT, "n": 8, "logprobs": True, "top_logprobs": 5, "timeout": 6}
-    stuck = open_stream(gw, body, rcvbuf=4096)
+    # Eight choices with logprobs fill the socket buffers: before the fix the send then
+    # blocked, and the slot stayed taken as long as the client kept its socket open (past 30 s
+    # with a deadline of 15 s). How soon the buffers fill depends on the machine's speed, so
+    # tests/gateway/test_streaming.py shows the blocked send deterministically; this shows the
+    # slot coming back at the deadline end to end. It asks what the worker's measured costs say
+    # fits its 6 s (admission refuses more at once), and the worker runs 10x slower than
+    # measured meanwhile, so the deadline, not the answer's end, frees the slot.
+    fits = max(4, int(0.5 / decode_step_s(gw)))
+    body = {**LONG_CHAT, "max_tokens": fits, "n": 8, "logprobs": True, "top_logprobs": 5,
+            "timeout": 6}
+    stuck = None
     try:
-        wait_until(lambda: outstanding(gw) == 1, 10, "never admitted")
-        # The deadline, its grace for the last events, and slack for a busy machine.
-        wait_until(lambda: outstanding(gw) == 0, 6 + 1 + 5, "the slot was not freed")
+        with throttled(wk):
+            stuck = open_stream(gw, body, rcvbuf=4096)
+            wait_until(lambda: outstanding(gw) == 1, 10, "never admitted")
+            # The deadline, its grace for the last events, and slack for a busy machine.
+            wait_until(lambda: outstanding(gw) == 0, 6 + 1 + 5, "the slot was not freed")
         ok = httpx.post(gw.base_url + "/v1/completions",
                         json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200, ok.text
     finally:
-        stuck.close()
+        if stuck is not None:
+            stuck.close()
 
 
 def test_headers_that_never_finish_are_closed(tight: Any) -> None:

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, decode_step_s, throttled
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
          "generate": "/v1/generate", "generate_stream": "/v1/generate/stream"}
@@ -211,7 +211,7 @@ def gauges(gw: GatewayProc) -> tuple[float, float, float, float]:
 
 
 def test_abort_reject_and_timeout_each_count_once(single: Any) -> None:
-    gw, _ = single
+    gw, wk = single
     before = scrape(gw)
     stream = open_stream(gw, "chat", "obs-aborted")
     in_flight, _, running, kv = wait_for(lambda: (g := gauges(gw))[2] and g, 2, "worker stats")
@@ -225,9 +225,13 @@ def test_abort_reject_and_timeout_each_count_once(single: Any) -> None:
     stream.close()  # the client leaves mid-stream: everything returns to idle
     wait_for(lambda: gauges(gw) == (0, 0, 0, 0), 5, "idle gauges after the disconnect")
 
-    timed_out = httpx.post(gw.base_url + PATHS["generate"],
-                           json=body("generate", 1000, timeout=0.3),
-                           headers={"X-Request-ID": "obs-timeout"}, timeout=10)
+    # Admitted because it fits 0.3 s by the worker's measured costs; run 10x slower than that
+    # (throttled), it misses: a timeout with tokens sent.
+    fits = max(2, int(0.15 / decode_step_s(gw)))
+    with throttled(wk):
+        timed_out = httpx.post(gw.base_url + PATHS["generate"],
+                               json=body("generate", fits, timeout=0.3),
+                               headers={"X-Request-ID": "obs-timeout"}, timeout=10)
     assert timed_out.status_code == 504 and timed_out.headers["x-request-id"] == "obs-timeout"
 
     ends = wait_for(lambda: (e := request_ends(gw)).keys() >= {"obs-aborted", "obs-timeout"}

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, decode_step_s
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -125,12 +125,15 @@ def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_in_time_sized_chunk
 
 def test_a_burst_with_deadlines_gets_its_429s_at_once_and_no_admitted_request_times_out(
         smollm: GatewayProc) -> None:
-    """60 streams at once, each asking 10 s for 128 tokens, on four seats: what cannot finish
-    is refused before it runs; what is admitted finishes all its tokens."""
+    """60 streams at once, each asking 10 s for as many tokens as two seconds of one-row decode
+    steps make on this worker (its measured cost), on four seats: what cannot finish is refused
+    before it runs; what is admitted finishes all its tokens."""
+    tokens = max(8, int(2.0 / decode_step_s(smollm)))
+
     async def one(session: aiohttp.ClientSession) -> tuple[int, float, str | None]:
         start = time.monotonic()
         async with session.post(smollm.base_url + "/v1/completions", json={
-                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 128,
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens,
                 "ignore_eos": True, "stream": True, "timeout": 10}) as resp:
             head = time.monotonic() - start
             finish = None

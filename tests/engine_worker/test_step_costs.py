@@ -113,3 +113,18 @@ def test_the_scheduler_holds_a_prompt_chunk_to_the_measured_share_while_others_d
     plain.update(step, FakeModel().run(step))
     plain.add(make_seq("b", 300, max_tokens=5))
     assert sorted(ch.num_tokens for ch in plain.schedule()) == [1, 300]
+
+
+def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
+    """A warm run (the rows past its cached blocks) is computed in one chunk alone or beside
+    decoders: the same rows through the same kernels, so the same numbers."""
+    c = costs()  # 3 prompt rows beside one decoder
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
+                      max_model_len=2048, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
+    model = FakeModel()
+    sched.add(make_seq("a", 10, max_tokens=50))
+    first = sched.schedule()
+    sched.update(first, model.run(first))
+    sched.add(make_seq("b", 4, max_tokens=5))  # one block (4 rows): more than the 3 allowed
+    chunks = sched.schedule()
+    assert sorted(ch.num_tokens for ch in chunks) == [1, 4]

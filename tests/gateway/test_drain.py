@@ -66,8 +66,7 @@ def admission(rate: float, limit: int = 2, max_queue: int = 100,
     clock = FakeClock()
     est = DrainEstimator(window_s=30, clock=clock)
     fake_worker(est, clock, "w1", rate=rate, seconds=10, held_s=held_s)
-    return Admission(lambda: limit, max_queue, est, workers=lambda: ["w1"],
-                     cold_queue=lambda: limit), clock
+    return Admission(lambda: limit, max_queue, est, workers=lambda: ["w1"]), clock
 
 
 def test_expected_wait_is_the_queue_ahead_over_the_drain_rate() -> None:
@@ -97,19 +96,16 @@ def test_the_fixed_bound_still_caps_the_queue() -> None:
     asyncio.run(body())
 
 
-def test_before_any_cost_is_reported_a_deadline_gets_one_round_of_queue_places() -> None:
-    """With no measured step costs, requests with a deadline get the free slots and one round
-    of places behind them; a request without one waits in the bounded queue regardless."""
+def test_without_reported_costs_nothing_is_refused_on_an_estimate() -> None:
+    """A model no worker reports step costs for is not estimated: requests with a deadline
+    queue like the others, up to max_queue (their deadline still bounds them)."""
     async def body() -> None:
-        adm = Admission(lambda: 2, 64, DrainEstimator(), workers=lambda: ["w1"],
-                        cold_queue=lambda: 2)
-        for _ in range(4):
+        adm = Admission(lambda: 2, 4, DrainEstimator(), workers=lambda: ["w1"])
+        for _ in range(6):
             adm.reserve(Work("m", 10, 10, deadline=time.monotonic() + 1.0))
-        assert adm.expected_wait() is None
+        assert adm.expected_wait() is None and adm.waiting == 4
         with pytest.raises(QueueFull):
             adm.reserve(Work("m", 10, 10, deadline=time.monotonic() + 1.0))
-        adm.reserve(Work("m", 10, 10))  # no deadline: queued
-        assert adm.waiting == 3
 
     asyncio.run(body())
 
