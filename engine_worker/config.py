@@ -89,10 +89,10 @@ class WorkerConfig:
     max_num_batched_tokens: int = setting(512, "most token rows one engine step computes (a cap: "
                                           "a step's prompt rows are sized by its measured time, "
                                           "see --step-prefill-share)")
-    step_prefill_share: float = setting(0.5, "while sequences decode, the share of a step's "
+    step_prefill_share: float = setting(0.75, "while sequences decode, the share of a step's "
                                         "time that prompt rows may take, by the step costs "
-                                        "measured on this host (0.5: a step carrying a prompt "
-                                        "chunk lasts at most 2x a decode step); 0: off, "
+                                        "measured on this host (0.75: a step carrying a prompt "
+                                        "chunk lasts at most 4x a decode step); 0: off, "
                                         "--max-num-batched-tokens alone sizes steps")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
                                    flags=("--enable-prefix-caching",))

@@ -53,7 +53,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
-        prefill_share: float = 0.5,
+        prefill_share: float = 0.75,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -61,7 +61,7 @@ class Engine:
         self.eos_token_ids = list(runner.config.eos_token_ids)
         # Measured step costs size each step's prompt rows (0: the token budget alone); they are
         # measured, and reported to the gateway, either way.
-        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.5)
+        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.75)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

@@ -68,7 +68,7 @@ def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
 
 
 def test_unmeasured_costs_give_one_small_chunk_which_measures_them() -> None:
-    c = StepCosts(512)
+    c = StepCosts(512, prefill_share=0.5)
     assert c.prefill_rows(4) == 16
     c.observe(4, 0, 0.1)
     c.observe(4, 16, 0.1 + 16 * 0.01)  # that chunk: 10 ms a row beyond the decode step
@@ -80,6 +80,7 @@ def test_steps_are_measured_into_histograms_for_metrics() -> None:
     c = costs()
     report = c.report()
     assert report.prefill_share == 0.5 and report.max_rows == 512
+    assert StepCosts(512).prefill_share == 0.75  # the default: steps at most 4x a decode step
     assert dict(report.step_seconds)[float("inf")] == c.steps == 5
     assert report.step_seconds_sum == pytest.approx(0.058 + 0.075 + 0.282 + 16 * 0.016 + 0.96)
     assert dict(report.prefill_rows)[0.0] == 3  # the three decode-only steps
