@@ -94,6 +94,11 @@ class WorkerConfig:
                                         "measured on this host (0.75: a step carrying a prompt "
                                         "chunk lasts at most 4x a decode step); 0: off, "
                                         "--max-num-batched-tokens alone sizes steps")
+    step_floor_ms: float = setting(1000.0, "a step carrying prompt rows may last this long "
+                                   "whatever --step-prefill-share says (fewer, larger chunks "
+                                   "pay the prompt path's fixed cost less often): the longest "
+                                   "a decoder waits for a prompt chunk where a decode step is "
+                                   "short")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
                                    flags=("--enable-prefix-caching",))
     link_secret_key: str = setting("", "this worker's CURVE secret certificate (NAME.key_secret "
@@ -147,8 +152,8 @@ class WorkerConfig:
             raise ValueError("max_model_len and threads must be >= 0, dense_min_rows >= -1")
         if self.heartbeat_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_s must be > 0 and drain_timeout_s >= 0")
-        if not 0 <= self.step_prefill_share < 1:
-            raise ValueError("step_prefill_share must be in [0, 1)")
+        if not 0 <= self.step_prefill_share < 1 or self.step_floor_ms < 0:
+            raise ValueError("step_prefill_share must be in [0, 1), step_floor_ms >= 0")
         if bool(self.link_secret_key) != bool(self.link_gateway_key):
             raise ValueError("link_secret_key and link_gateway_key go together")
         for name in ("link_secret_key", "link_gateway_key"):

@@ -54,6 +54,7 @@ class Engine:
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
         prefill_share: float = 0.75,
+        step_floor_s: float = 1.0,
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -61,7 +62,7 @@ class Engine:
         self.eos_token_ids = list(runner.config.eos_token_ids)
         # Measured step costs size each step's prompt rows (0: the token budget alone); they are
         # measured, and reported to the gateway, either way.
-        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.75)
+        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.75, step_floor_s)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

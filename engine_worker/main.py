@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_prefix_caching=cfg.prefix_caching,
                     spec=build_spec_decoder(cfg, runner), grammars=grammars,
-                    prefill_share=cfg.step_prefill_share)
+                    prefill_share=cfg.step_prefill_share, step_floor_s=cfg.step_floor_ms / 1e3)
     engine.probe()  # the first requests are sized and admitted by this host's measurement
     hello = build_hello(cfg, runner, checkpoint, engine.costs.report())
     log.info("model loaded", extra={"fields": {

@@ -9,16 +9,17 @@ step may therefore carry. No torch.
 
 The policy (stall-free batching, as Sarathi-Serve's): while sequences decode, prefill may take
 `prefill_share` of a step, so a step that carries a prompt's chunk lasts at most
-decode(D) / (1 - share): the decoders' inter-token time is at most 1 / (1 - share) times what it
-is without prompts (4x at the default 0.75), on any host and any model, because both sides of that
-ratio are measured here. Why 0.75: on a CPU a prompt row costs about what a decode row does, so
-a chat load whose prompts are r times its answers needs r / (r + 1) of the compute for prompts
-(ShareGPT-like chats: r of 1.5 to 3, so 60-75 %); a smaller share leaves prompts queued, the
-batch shrinks and throughput with it (at 0.5, SmolLM2 with 200-token prompts and 128-token
-answers on a 2-core EPYC held 16 streams to 76 tok/s). A step only carries prompt rows that
-wait, so the share is a bound, not a quota. With nothing decoding there is nobody to stall: prefill takes the whole
-row cap (--max-num-batched-tokens) for throughput. A token budget tuned on one model does neither:
-512 rows of the 1.5B Qwen took 8 s a step on a 2-core EPYC, and every decoder waited for it.
+decode(D) / (1 - share): 4x a decode step at the default 0.75, on any host and any model,
+because both sides of that ratio are measured here. Why 0.75: on a CPU a prompt row costs about
+what a decode row does, so a chat load whose prompts are r times its answers needs r / (r + 1)
+of the compute for prompts (ShareGPT-like chats: r of 1.5 to 3, so 60-75 %); a smaller share
+leaves prompts queued and the batch shrinking. A step only carries prompt rows that wait, so the
+share is a bound, not a quota. And a step with prompt rows may last `step_floor_s` anyway (1 s
+by default: about the longest a decoder waits for a prompt chunk), because every such step also
+pays the prompt path's fixed cost: chunks of a few dozen rows paid it so often that SmolLM2's 16
+streams on a 2-core EPYC fell from 110 to 78 tok/s against 512-row chunks (whose step lasts
+1.2 s there; the 1.5B Qwen's 8 s). With nothing decoding there is nobody to stall: prefill takes
+the whole row cap (--max-num-batched-tokens) for throughput.
 
 A mixed step teaches the prefill side what it took beyond the decode estimate; a decode-only step
 teaches the decode side. Costs never seen are borrowed from the nearest bucket measured (decode
@@ -80,12 +81,13 @@ class _Histogram:
 
 
 class StepCosts:
-    def __init__(self, max_rows: int, prefill_share: float = 0.75,
+    def __init__(self, max_rows: int, prefill_share: float = 0.75, step_floor_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < prefill_share < 1:
             raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
         self.max_rows = max_rows  # --max-num-batched-tokens: a cap, never the policy
         self.prefill_share = prefill_share
+        self.step_floor_s = step_floor_s  # a step with prompt rows may last this long anyway
         # bucket -> (mean decode rows, mean seconds) of decode-only steps
         self._decode: dict[int, tuple[float, float]] = {}
         self._prefill: dict[int, float] = {}  # bucket -> seconds a prefill row adds
@@ -130,9 +132,11 @@ class StepCosts:
         return prefill_row_seconds(list(self._prefill.items()), _bucket(PREFILL_BUCKETS, rows))
 
     def step_target_s(self, decode_rows: int) -> float | None:
-        """The longest a step with `decode_rows` decoders may last; None: not measured."""
+        """The longest a step with `decode_rows` decoders and prompt rows may last: the share,
+        or the floor where that is longer; None: not measured."""
         base = self.decode_s(decode_rows)
-        return None if base is None else base / (1.0 - self.prefill_share)
+        return None if base is None else max(base / (1.0 - self.prefill_share),
+                                             self.step_floor_s)
 
     def prefill_rows(self, decode_rows: int) -> int:
         """How many prompt rows a step with `decode_rows` decode rows may carry."""
@@ -143,7 +147,9 @@ class StepCosts:
         if base is None or not self._prefill:
             # Not measured yet (probe() does it at start): one small chunk, which measures it.
             return min(cap, PREFILL_BUCKETS[1])
-        room = base * self.prefill_share / (1.0 - self.prefill_share)
+        target = self.step_target_s(decode_rows)
+        assert target is not None
+        room = target - base
         best = 1
         for i, edge in enumerate(PREFILL_BUCKETS):
             per_row = self.prefill_row_s(edge) or 0.0
@@ -164,7 +170,7 @@ class StepCosts:
         self._logged = (rows, now)
         log.info("step sizing: %d prefill rows with %d decoding (decode step %.1f ms, target "
                  "%.1f ms, %.2f ms a prefill row)", rows, decode_rows, base * 1e3,
-                 base / (1 - self.prefill_share) * 1e3,
+                 (self.step_target_s(decode_rows) or 0.0) * 1e3,
                  (self.prefill_row_s(rows) or 0.0) * 1e3)
 
     def report(self) -> m.StepCosts:

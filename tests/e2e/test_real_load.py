@@ -29,10 +29,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smollm(smollm2_dir: Path) -> Iterator[GatewayProc]:
-    """Four seats, the gateway's defaults (no deadline unless asked)."""
+    """Four seats, the gateway's defaults (no deadline unless asked); steps sized by the share
+    alone (--step-floor-ms 0: SmolLM2's 512-row chunk lasts about the default floor of 1 s on a
+    2-core host, so with the floor the chunks would not tell the policies apart)."""
     with GatewayProc() as gw, WorkerProc(smollm2_dir, gw.engine_address, "--model-id", MODEL,
                                          "--max-num-seqs", "4", "--kv-cache-memory",
-                                         "256MiB") as wk:
+                                         "256MiB", "--step-floor-ms", "0") as wk:
         gw.wait_ready(timeout=180)
         yield gw
         assert wk.popen is not None and wk.popen.poll() is None
@@ -103,7 +105,8 @@ def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_in_time_sized_chunk
         smollm: GatewayProc) -> None:
     """Before, the prompt went in max_num_batched_tokens (512) rows a step and the decoding
     stream waited for each such step. Now every step that carried prompt rows while the stream
-    decoded stayed within twice a decode step: on any host, far fewer than 256 rows of SmolLM2."""
+    decoded stayed within 4x a decode step (the share): on any host, far fewer than 256 rows of
+    SmolLM2."""
     client = openai.OpenAI(base_url=smollm.base_url + "/v1", api_key="x", max_retries=0)
     before = _prefill_buckets(httpx.get(smollm.base_url + "/metrics").text)
     stream = client.completions.create(model=MODEL, prompt="Count:", max_tokens=1000,

@@ -17,8 +17,9 @@ QWEN_15B = {"decode": [(1, 0.058), (4, 0.075), (16, 0.282)], "prefill": [(16, 0.
                                                                          (64, 0.015)]}
 
 
-def costs(model: dict = QWEN_15B, max_rows: int = 512, share: float = 0.5) -> StepCosts:
-    c = StepCosts(max_rows, share)
+def costs(model: dict = QWEN_15B, max_rows: int = 512, share: float = 0.5,
+          floor_s: float = 0.0) -> StepCosts:
+    c = StepCosts(max_rows, share, floor_s)
     for rows, s in model["decode"]:
         c.observe(rows, 0, s)
     for rows, per_row in model["prefill"]:
@@ -68,7 +69,7 @@ def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
 
 
 def test_unmeasured_costs_give_one_small_chunk_which_measures_them() -> None:
-    c = StepCosts(512, prefill_share=0.5)
+    c = StepCosts(512, prefill_share=0.5, step_floor_s=0.0)
     assert c.prefill_rows(4) == 16
     c.observe(4, 0, 0.1)
     c.observe(4, 16, 0.1 + 16 * 0.01)  # that chunk: 10 ms a row beyond the decode step
@@ -129,3 +130,12 @@ def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
     sched.add(make_seq("b", 4, max_tokens=5))  # one block (4 rows): more than the 3 allowed
     chunks = sched.schedule()
     assert sorted(ch.num_tokens for ch in chunks) == [1, 4]
+
+
+def test_a_step_with_prompt_rows_may_last_the_floor_whatever_the_share() -> None:
+    """Beside one decoder of 58 ms, the share alone gives 3 rows (a 117 ms step); the 1 s floor
+    gives what fits a second: fewer steps pay the prompt path's fixed cost."""
+    c = costs(floor_s=1.0)
+    assert c.step_target_s(1) == 1.0
+    assert c.prefill_rows(1) == int((1.0 - 0.058) / 0.016)
+    assert costs(floor_s=0.1).prefill_rows(16) == 17  # the share's target is the longer one
