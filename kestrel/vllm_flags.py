@@ -32,8 +32,9 @@ UNSUPPORTED: dict[str, str] = {
     "--load-format": _HUB, "--download-dir": _HUB, "--revision": _HUB, "--hf-token": _HUB,
     "--tokenizer-revision": _HUB, "--code-revision": _HUB, "--hf-overrides": _HUB,
     "--kv-cache-dtype": "the KV cache has the model's dtype",
-    "--enable-chunked-prefill": "chunked prefill is always on; --max-num-batched-tokens sets its "
-                                "step budget",
+    "--enable-chunked-prefill": "chunked prefill is always on, its chunks sized by measured "
+                                "step time (--step-prefill-share); --max-num-batched-tokens "
+                                "caps a step's rows",
     "--no-enable-chunked-prefill": "chunked prefill is always on",
     "--seed": "seeds are per request (the `seed` field)",
     "--max-logprobs": "a request may ask for up to 5 logprobs",
