@@ -2,9 +2,9 @@
 worker, through the official openai client.
 
 A plain request (no max_tokens) completes with 200 on every route: its default is the route's
-(16 for completions and /v1/generate, 512 for chat) cut to what the worker was measured to finish
-before the deadline. A request whose max_tokens cannot fit its timeout gets 400 at once, never
-a 504 when its deadline passes.
+(16 for completions and /v1/generate; for chat the rest of the context, within the cap), with no
+deadline unless it asks one. A request whose max_tokens cannot fit its timeout gets 400 at once,
+never a 504 when its deadline passes.
 """
 
 from __future__ import annotations
