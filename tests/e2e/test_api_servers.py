@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -29,10 +30,13 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def health_by_process(gw: GatewayProc, tries: int = 24) -> dict[int, dict]:
-    """/health from fresh connections, by the index of the process that answered."""
+def health_by_process(gw: GatewayProc, count: int = 2, timeout: float = 30) -> dict[int, dict]:
+    """/health from fresh connections, by the index of the process that answered, until `count`
+    processes have answered or `timeout` passes (the second process may still be starting when
+    the first is ready)."""
     seen: dict[int, dict] = {}
-    for _ in range(tries):
+    deadline = time.monotonic() + timeout
+    while len(seen) < count and time.monotonic() < deadline:
         body = httpx.get(gw.base_url + "/health", timeout=5).json()
         seen[body["api_server"]["index"]] = body
     return seen

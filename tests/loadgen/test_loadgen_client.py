@@ -38,7 +38,12 @@ def test_records_have_chunks_and_usage(api: str) -> None:
         assert r.prompt_tokens == 12 and r.finish_reason == "length"
         assert r.ttft_s is not None and 0 < r.ttft_s <= r.e2e_s  # type: ignore[operator]
         assert len(r.itl_s) == r.n_chunks - 1
-        assert r.tpot_s is not None and r.tpot_s > 0
+        # Chunks that arrive in one network read share a timestamp: a gap may be 0, and
+        # the mean gap after the first token is the mean of the gaps.
+        if r.n_chunks >= 2:
+            assert r.tpot_s == pytest.approx(sum(r.itl_s) / len(r.itl_s)) and r.tpot_s >= 0
+        else:
+            assert r.tpot_s is None
     s = result.summary
     assert s.completed == 6 and s.rejected == 0 and s.errors == 0
     assert s.completion_tokens == sum(b["max_tokens"] for b in server.bodies)
