@@ -250,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
 
     started = time.monotonic()
-    runner = ModelRunner(RunnerConfig.from_worker(cfg))
+    from engine_worker.model.gguf_native import ModelRefused
+
+    try:
+        runner = ModelRunner(RunnerConfig.from_worker(cfg))
+    except ModelRefused as exc:  # a file we will not serve: one line, no trace, exit 2
+        log.error("model refused: %s", exc)
+        return 2
     checkpoint = runner.runner_config.model_path
     from engine_worker.grammar import GrammarCompiler
     from engine_worker.speculative.build import build_spec_decoder

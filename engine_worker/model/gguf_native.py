@@ -153,6 +153,47 @@ def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
                            compute_dtype=compute_dtype, dense_dtype=dense_dtype)
 
 
+class ModelRefused(ValueError):
+    """A model file this worker will not serve; its message is one line naming what is wrong."""
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """(rows, columns) of every matrix, (length,) of every vector, by GGUF tensor name, as the
+    architecture and the vocabulary in `cfg` require."""
+    hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    want: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.vocab_size, hidden), "output.weight": (cfg.vocab_size, hidden),
+        "output_norm.weight": (hidden,)}
+    for i in range(cfg.num_layers):
+        for suffix, shape in (("attn_q", (q, hidden)), ("attn_k", (kv, hidden)),
+                              ("attn_v", (kv, hidden)), ("attn_output", (hidden, q)),
+                              ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
+                              ("ffn_down", (hidden, inter))):
+            want[f"blk.{i}.{suffix}.weight"] = shape
+            want[f"blk.{i}.{suffix}.bias"] = shape[:1]
+        for suffix in _NORMS:
+            want[f"blk.{i}.{suffix}.weight"] = (hidden,)
+    return want
+
+
+def check_shapes(tensors: dict[str, Any], cfg: ModelConfig) -> None:
+    """Refuse a file whose tensors do not fit its own architecture and vocabulary (an embedding
+    with fewer rows than the vocabulary would load, then end the worker at the first request
+    whose token it lacks): ModelRefused naming the first tensor that is wrong or missing."""
+    for name, want in expected_shapes(cfg).items():
+        t = tensors.get(name)
+        if t is None:
+            if name.endswith(".bias") or name == "output.weight":
+                continue  # optional: a model without biases, a head tied to the embedding
+            raise ModelRefused(f"the GGUF file has no tensor {name} (expected shape {want})")
+        got = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if got != want:
+            raise ModelRefused(f"the GGUF file's {name} has shape {got}, but its metadata "
+                               f"(vocabulary {cfg.vocab_size}, hidden {cfg.hidden_size}, "
+                               f"{cfg.num_layers} layers) needs {want}")
+
+
 def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
@@ -167,6 +208,7 @@ def load_gguf_model(
         use_kernel = device.type == "cpu"
     t0 = time.monotonic()
     tensors = ggml_types.tensors(gguf_path)
+    check_shapes(tensors, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
 
