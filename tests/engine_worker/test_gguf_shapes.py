@@ -18,10 +18,13 @@ from tests.engine_worker.gguf_factory import write_state_gguf
 Q = gguf.GGMLQuantizationType
 
 
+def _state(tiny_dir: Path) -> dict[str, np.ndarray]:
+    return {k: v for f in sorted(tiny_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _write(tiny_dir: Path, out: Path, change: dict[str, np.ndarray]) -> Path:
     cfg = load_config(tiny_dir)
-    state = {k: v for f in sorted(tiny_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    state.update(change)
+    state = {**_state(tiny_dir), **change}
     return write_state_gguf(state, out, "llama", lambda _: Q.Q8_0, cfg.num_heads,
                             cfg.num_kv_heads)
 
@@ -36,7 +39,7 @@ def test_the_tiny_files_own_shapes_load(tiny_dir: Path, tmp_path: Path) -> None:
 def test_an_embedding_short_of_the_vocabulary_or_a_head_beyond_it_is_refused(
         tiny_dir: Path, tmp_path: Path, name: str, rows: int) -> None:
     cfg = load_config(tiny_dir)
-    state = {k: v for f in sorted(tiny_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    state = _state(tiny_dir)
     w = state.get(name, state["model.embed_tokens.weight"])
     w = w[:rows] if rows < 0 else np.concatenate([w, w[:rows]])
     path = _write(tiny_dir, tmp_path / "bad.gguf", {name: w})
