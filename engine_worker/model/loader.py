@@ -14,6 +14,8 @@ GGUF conversion is the only path that imports transformers (its GGUF reader dequ
 for the metadata alone it reads no tensor).
 A GGUF-loaded model refuses `save_pretrained` (it carries a gguf quantization config), so the state
 dict goes out through `safetensors` and the config is written by hand without quantization_config.
+<hash> is of the file's header, metadata and tensor table with its size (gguf_header.py): the
+same file under another path is the same conversion, an edited one of the same size is not.
 The converted folder is written to a temporary sibling and renamed into place: a crash never
 leaves a half-written cache, and a concurrent converter simply loses the rename race.
 
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.model.config import ModelConfig
+from engine_worker.model.gguf_header import header_digest
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAMES = ("default", "smollm2")
@@ -103,7 +106,9 @@ def resolve_dtype(
 
 def _converted(gguf: Path, cache_dir: Path, weights: bool = True) -> Path:
     gguf = gguf.resolve()
-    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{CONVERT_VERSION}".encode())
+    # Keyed by what a conversion reads (the header, metadata and tensor table) and the size: an
+    # edit of an eos id or a template that keeps the file's size is a new conversion.
+    key = hashlib.sha256(f"{header_digest(gguf)}:{gguf.stat().st_size}:{CONVERT_VERSION}".encode())
     full = cache_dir / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if (full / "config.json").is_file():  # a whole conversion serves the metadata too
         return full

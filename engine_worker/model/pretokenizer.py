@@ -33,11 +33,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine_worker.model.gguf_header import gguf_string
 
 log = logging.getLogger("kestrel.tokenizer")
 
@@ -122,48 +122,6 @@ def apply_pre_tokenizer(tok_json: dict[str, Any], pre: str) -> dict[str, Any]:
     out["pre_tokenizer"] = rule.pre_tokenizer()
     out["model"] = {**tok_json["model"], "ignore_merges": rule.ignore_merges}
     return out
-
-
-# GGUF value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array.
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def _skip(buf: mmap.mmap, pos: int, vtype: int) -> int:
-    """The offset just past one value of type `vtype` at `pos`."""
-    if vtype == _STRING:
-        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-    if vtype != _ARRAY:
-        return pos + _SIZES[vtype]
-    sub, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if sub in _SIZES:
-        return pos + count * _SIZES[sub]
-    for _ in range(count):
-        pos = _skip(buf, pos, sub)
-    return pos
-
-
-def gguf_string(path: Path, key: str) -> str | None:
-    """One string of a GGUF file's metadata, or None. Reads the header only up to that key:
-    gguf.GGUFReader parses every array first (3 s for SmolLM2's file, 9 s for Qwen2.5's here)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, _tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or not 2 <= version < 256:  # v1 had 32-bit lengths; big-endian files
-            raise ValueError(f"{path}: not a little-endian GGUF v2+ file")
-        pos, want = 24, key.encode()
-        for _ in range(n_kv):
-            n = struct.unpack_from("<Q", buf, pos)[0]
-            name = buf[pos + 8 : pos + 8 + n]
-            vtype = struct.unpack_from("<I", buf, pos + 8 + n)[0]
-            pos += 12 + n
-            if name == want:
-                if vtype != _STRING:
-                    raise ValueError(f"{path}: {key} is not a string (GGUF type {vtype})")
-                n = struct.unpack_from("<Q", buf, pos)[0]
-                return buf[pos + 8 : pos + 8 + n].decode("utf-8")
-            pos = _skip(buf, pos, vtype)
-    return None
 
 
 def rewrite_tokenizer_json(gguf: Path, folder: Path) -> str | None:

@@ -1,0 +1,64 @@
+"""engine_worker/model/gguf_header.py: the header digest that keys the converted-model cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from engine_worker.model.gguf_header import gguf_string, header_digest
+from engine_worker.model.loader import _converted
+
+
+def _write(path: Path, eos: int, template: str) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_eos_token_id(eos)
+    w.add_chat_template(template)
+    w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_edit_that_keeps_the_size_changes_the_digest(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.gguf", 2, "{{ messages }}")
+    b = _write(tmp_path / "b.gguf", 3, "{{ messagez }}")  # same sizes, other eos and template
+    assert a.stat().st_size == b.stat().st_size
+    assert header_digest(a) != header_digest(b)
+    assert gguf_string(b, "tokenizer.chat_template") == "{{ messagez }}"
+
+
+def test_the_same_bytes_under_another_name_have_the_same_digest(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.gguf", 2, "{{ messages }}")
+    c = tmp_path / "copy.gguf"
+    c.write_bytes(a.read_bytes())
+    assert header_digest(a) == header_digest(c)
+    # the tensor data is not hashed: only what a conversion reads before it
+    data = bytearray(a.read_bytes())
+    data[-1] ^= 0xFF
+    c.write_bytes(bytes(data))
+    assert header_digest(a) == header_digest(c)
+
+
+def test_the_converted_cache_of_an_edited_file_is_a_new_folder(tmp_path: Path,
+                                                                  monkeypatch) -> None:  # noqa: ANN001
+    """The stale-metadata finding: same path, same size, other eos id -> another conversion."""
+    from engine_worker.model import loader
+
+    made: list[Path] = []
+
+    def fake_convert(gguf_path: Path, out: Path, weights: bool = True) -> None:
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        made.append(out)
+
+    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
+    path = _write(tmp_path / "m.gguf", 2, "{{ messages }}")
+    first = _converted(path, tmp_path / "cache", weights=False)
+    assert _converted(path, tmp_path / "cache", weights=False) == first and len(made) == 1
+    _write(path, 3, "{{ messages }}")
+    second = _converted(path, tmp_path / "cache", weights=False)
+    assert second != first and len(made) == 2
