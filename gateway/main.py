@@ -22,6 +22,7 @@ from gateway.api_servers import Children, all_link_addresses, listen_socket, own
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import guarded_h11
+from gateway.shared_limits import shared_state_problem
 
 log = logging.getLogger("kestrel.gateway")
 DRAIN_BACKSTOP_S = 2.0
@@ -111,7 +112,8 @@ def run(cfg: GatewayConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
-    problem = cfg.link_problem()
+    problem = cfg.link_problem() or (shared_state_problem(cfg.shared_state)
+                                     if cfg.shared_state else None)
     if problem is not None:
         print(f"kestrel-gateway: error: {problem}", file=sys.stderr)
         return 2

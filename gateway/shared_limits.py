@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -27,13 +28,47 @@ SLOT = struct.Struct("<8sdd")
 EMPTY = bytes(8)
 
 
+def open_checked(path: str) -> int:
+    """The shared file, opened (created 0600 if absent) only if it is what this gateway would
+    have made: a regular file, not a symbolic link, owned by this user, with no access for
+    group or others and no second hard link. ValueError saying which otherwise: a file planted
+    at the path must not redirect the limiter's writes, nor let another user set its buckets."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if os.path.islink(path):
+            raise ValueError(f"--shared-state {path}: a symbolic link; refused") from e
+        raise ValueError(f"--shared-state {path}: {e.strerror}") from e
+    st = os.fstat(fd)
+    problem = (
+        "not a regular file" if not stat.S_ISREG(st.st_mode)
+        else f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid()
+        else f"mode {stat.S_IMODE(st.st_mode):#o} opens it to other users"
+        if st.st_mode & 0o077
+        else f"{st.st_nlink} hard links to it" if st.st_nlink != 1
+        else None)
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(f"--shared-state {path}: {problem}; refused")
+    return fd
+
+
+def shared_state_problem(path: str) -> str | None:
+    """Why the file at `path` cannot be the shared state (open_checked's reason), or None."""
+    try:
+        os.close(open_checked(path))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class SharedRateLimiter:
     def __init__(self, path: str, rate: float, burst: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
         self.burst = burst
         self.clock = clock
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = open_checked(path)
         size = SLOTS * SLOT.size
         if os.fstat(self._fd).st_size < size:
             os.ftruncate(self._fd, size)  # zero-filled: every slot empty

@@ -4,10 +4,16 @@ not only processes)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from gateway.rate_limit import RateLimiter
-from gateway.shared_limits import PROBE, SLOTS, SharedRateLimiter
+from gateway.shared_limits import PROBE, SLOTS, SharedRateLimiter, shared_state_problem
+from tests.procs import free_port
 
 
 class Clock:
@@ -60,3 +66,49 @@ def test_a_full_run_of_slots_forgets_the_idlest_client(tmp_path: Path) -> None:
     assert limiter.take(same[PROBE]) == 0.0  # took the idlest's slot: a fresh bucket
     assert limiter.take(same[0]) == 0.0  # the idlest was forgotten: full again
     assert limiter.take(same[PROBE - 1]) > 0  # the others still drew their token
+
+
+def test_a_planted_symbolic_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    link = tmp_path / "limits"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match="symbolic link"):
+        SharedRateLimiter(str(link), rate=1.0, burst=1)
+    assert target.read_bytes() == b"precious"  # not truncated, not grown to 1.5 MiB
+
+
+@pytest.mark.parametrize("plant,reason", [
+    (lambda p: (p.write_bytes(b""), p.chmod(0o666)), "opens it to other users"),
+    (lambda p: (p.write_bytes(b""), p.chmod(0o600), os.link(p, p.with_name("second"))),
+     "2 hard links"),
+    (lambda p: p.mkdir(), "Is a directory"),
+])
+def test_a_file_another_user_could_write_or_read_is_refused(tmp_path: Path, plant, reason: str
+                                                            ) -> None:  # noqa: ANN001
+    path = tmp_path / "limits"
+    plant(path)
+    assert reason in (shared_state_problem(str(path)) or "")
+    with pytest.raises(ValueError, match=reason):
+        SharedRateLimiter(str(path), rate=1.0, burst=1)
+
+
+def test_the_file_a_gateway_makes_for_itself_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "limits"
+    assert shared_state_problem(str(path)) is None  # created 0600, ours, one link
+    assert SharedRateLimiter(str(path), rate=1.0, burst=1).take("c") == 0.0
+
+
+def test_a_gateway_given_a_symbolic_link_exits_2_in_one_line(tmp_path: Path) -> None:
+    """The real gateway process, as an operator would start it."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    (tmp_path / "limits").symlink_to(target)
+    done = subprocess.run([sys.executable, "-m", "gateway.main", "--port", str(free_port()),
+                           "--insecure-link", "--shared-state", str(tmp_path / "limits")],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "symbolic link" in lines[0], done.stderr[-2000:]
+    assert target.read_bytes() == b"precious"
