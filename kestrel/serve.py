@@ -34,6 +34,7 @@ from typing import NoReturn
 
 from common.settings import add_settings, env_name, new_parser, settings_environ, settings_from
 from engine_worker.config import WorkerConfig
+from gateway.api_servers import all_link_addresses
 from gateway.config import GatewayConfig
 from gateway.main import run
 from kestrel.vllm_flags import unsupported_reason
@@ -133,8 +134,10 @@ def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None =
     problem = gateway.link_problem()
     if problem is not None:
         error(problem)
+    # Every API server process has a link of its own: the worker joins them all (process 0's
+    # alone left the others with no worker, and their share of requests got 503).
     worker = settings_from(WorkerConfig, args, environ, error, dest_prefix="worker.",
-                           fixed={"gateway_address": gateway.engine_address})
+                           fixed={"gateway_address": ",".join(all_link_addresses(gateway))})
     return gateway, worker
 
 

@@ -9,7 +9,9 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -226,3 +228,29 @@ def test_a_worker_that_cannot_load_its_model_stops_the_server(tmp_path: Path) ->
     assert done.returncode == 1, done.stderr[-2000:]
 
 
+
+
+def test_two_api_server_processes_both_get_the_worker(tiny_model_dir: Path) -> None:
+    """`--api-server-count 2`: the worker joins both processes' links, so both become ready and
+    20 chats on fresh connections (the kernel spreads them over the two) all get 200; process
+    0's link alone left process 1 without a worker, and its share of chats got 503."""
+    with ServeProc(str(tiny_model_dir), "--api-server-count", "2", "--max-num-seqs", "4",
+                   "--dtype", "float32") as srv:
+        srv.wait_ready()
+        ready: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(ready) < 2 and time.monotonic() < deadline:
+            r = httpx.get(srv.base_url + "/health", timeout=5)  # a fresh connection each time
+            if r.status_code == 200:
+                ready.add(r.json()["api_server"]["index"])
+        assert ready == {0, 1}, srv.output()[-3000:]
+        model = httpx.get(srv.base_url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+        def chat(i: int) -> int:
+            with httpx.Client(base_url=srv.base_url, timeout=120) as http:  # its own connection
+                return http.post("/v1/chat/completions", json={
+                    "model": model, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"hello {i}"}]}).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(chat, range(20))) == [200] * 20

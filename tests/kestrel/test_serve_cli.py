@@ -19,6 +19,16 @@ def test_flags_reach_the_right_process_and_shared_ones_both() -> None:
     assert wk.gateway_address == gw.engine_address == "tcp://127.0.0.1:6001"
 
 
+def test_with_two_api_server_processes_the_worker_joins_both_links(tmp_path) -> None:
+    gw, wk = parse(["/m", "--api-server-count", "2", "--port", "9004"],
+                   {"XDG_RUNTIME_DIR": str(tmp_path)})
+    sock = f"ipc://{tmp_path}/kestrel/engine-9004.sock"
+    assert gw.engine_address == sock and wk.gateway_address == f"{sock},{sock}.1"
+    _, wk = parse(["/m", "--api-server-count", "3", "--insecure-link", "--engine-address",
+                   "tcp://127.0.0.1:6010"], {})
+    assert wk.gateway_address == "tcp://127.0.0.1:6010,tcp://127.0.0.1:6011,tcp://127.0.0.1:6012"
+
+
 def test_the_default_link_is_a_private_ipc_socket_per_port(tmp_path) -> None:
     """Issue 23: no keyless TCP port on loopback for one host; the socket sits in the user's
     runtime folder, named by the HTTP port so two servers never share one."""
