@@ -94,6 +94,10 @@ class WorkerLink:
     def open_outbound(self) -> Outbound:
         return Outbound(self._ctx, self._inproc)
 
+    def forget(self, request_id: str) -> None:
+        """A request that ended with no frame to send (cancelled while its grammar was being
+        built): with one gateway there is nothing to forget."""
+
     def reset_scope(self, msg: m.Reset, request_ids: list[str]) -> list[str]:
         """The requests a Reset ends: with one gateway, all of them."""
         return request_ids

@@ -78,6 +78,11 @@ class LinkSet:
         for link in self.links:
             link.draining = value
 
+    def forget(self, request_id: str) -> None:
+        """A request that ended with no frame to send (cancelled while its grammar was being
+        built): no finish will pop its origin, so it is popped here."""
+        self.origin.pop(request_id, None)
+
     def start(self) -> None:
         for link in self.links:
             link.start()

@@ -119,8 +119,8 @@ class WorkerLoop:
         elif isinstance(msg, m.Cancel) and msg.index is not None:
             self._send_all(self.engine.abort_choice(msg.request_id, msg.index))
         elif isinstance(msg, m.Cancel):
-            if self.builds is not None:
-                self.builds.drop(msg.request_id)
+            if self.builds is not None and self.builds.drop(msg.request_id):
+                self.link.forget(msg.request_id)  # ended before the engine saw it: no frame
             self._send_all(self.engine.abort(msg.request_id, "abort"))
             # The request has ended (its end, if it had one here, was logged by the line above
             # and took the arrival time with it): nothing else will pop it now.
@@ -128,7 +128,9 @@ class WorkerLoop:
         elif isinstance(msg, m.Reset):  # the requests of the gateway that sent it
             building = list(self.builds.pending) if self.builds else []
             for rid in self.link.reset_scope(msg, list(self.engine.requests) + building):
-                if not (self.builds and self.builds.drop(rid)):
+                if self.builds and self.builds.drop(rid):
+                    self.link.forget(rid)
+                else:
                     self._send_all(self.engine.abort(rid, "abort"))
 
     def _add(self, msg: m.Generate, built: Any) -> None:

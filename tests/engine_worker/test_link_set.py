@@ -4,9 +4,14 @@ The links are small fakes with WorkerLink's surface; the e2e test runs real ones
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import pytest
+
+from engine_worker.config import WorkerConfig
 from engine_worker.link_set import LinkReset, LinkSet
+from engine_worker.main import WorkerLoop
 from protocol import messages as m
 
 
@@ -80,3 +85,44 @@ def test_stats_and_draining_reach_every_link_and_a_refusal_from_any_is_seen() ->
     assert links.rejected is None
     b.rejected = "protocol version mismatch"
     assert links.rejected == "protocol version mismatch"
+
+
+class BlockedCompiler:
+    """A grammar compiler whose builds never end while the test runs."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def matchers(self, grammar: str, n: int) -> list[Any]:
+        self.release.wait(5)
+        return []
+
+
+class IdleEngine:
+    """The engine surface WorkerLoop's message handling touches, with nothing running."""
+
+    def __init__(self) -> None:
+        self.grammars = BlockedCompiler()
+        self.requests: dict[str, Any] = {}
+
+    def abort(self, request_id: str, reason: str) -> list[m.TokenOutput]:
+        return []  # never reached the engine: nothing to end
+
+
+@pytest.mark.parametrize("end", ["cancel", "reset"])
+def test_a_request_ended_while_its_grammar_builds_leaves_no_origin_behind(end: str) -> None:
+    a, b = FakeLink(), FakeLink()
+    links = LinkSet([a, b])  # type: ignore[list-item]
+    engine = IdleEngine()
+    loop = WorkerLoop(WorkerConfig(), engine, links, threading.Event())
+    try:
+        a.inbound.put(m.Generate("with-grammar", [1, 2], m.SamplingParams(),
+                                 grammar='{"grammars": []}'))
+        loop._drain_inbound(block=False)
+        assert "with-grammar" in links.origin and loop.builds and "with-grammar" in \
+            loop.builds.pending
+        a.inbound.put(m.Cancel("with-grammar") if end == "cancel" else m.Reset("gateway restart"))
+        loop._drain_inbound(block=False)
+        assert not loop.builds and links.origin == {}
+    finally:
+        engine.grammars.release.set()
