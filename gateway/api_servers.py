@@ -12,13 +12,15 @@
       per process: /metrics and /health (a scrape through P sees one process's figures)
 
 Process 0 forwards SIGTERM/SIGINT to the others (each drains as one gateway would) and waits for
-them; each child dies with process 0 (PR_SET_PDEATHSIG), so none is left serving alone.
+them; each child dies with process 0 (PR_SET_PDEATHSIG), so none is left serving alone, and a
+child that dies on its own (kill -9, a crash) is started again by process 0, logged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -26,12 +28,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from common.settings import settings_environ
 from gateway.config import GatewayConfig
 
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger("kestrel.gateway")
 
 
 def link_address(address: str, index: int) -> str:
@@ -82,29 +87,60 @@ def _die_with_parent() -> None:
 
 
 class Children:
-    """Processes 1..K-1, started by process 0."""
+    """Processes 1..K-1, started by process 0, and started again when one dies on its own (a
+    kill -9, a crash): its share of the port's connections would otherwise go nowhere while
+    /health, answered by the others, said ok. Logged, and counted in `restarts`."""
+
+    WATCH_S = 0.5  # how often the watcher looks
+    MIN_LIFE_S = 5.0  # a process that dies sooner than this is restarted no sooner than this
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.procs: list[subprocess.Popen] = []
+        self.started: list[float] = []
+        self.restarts = 0
         fd, path = tempfile.mkstemp(prefix="kestrel-limits-", dir=_shm_dir())
         os.close(fd)
         self.shared_state = path
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        child = dataclasses.replace(self.cfg, api_server_index=i, shared_state=self.shared_state)
+        env = {**os.environ, **settings_environ(child)}
+        return subprocess.Popen([sys.executable, "-m", "gateway.main"], env=env,
+                                preexec_fn=_die_with_parent)
 
     def start(self) -> None:
         for i in range(1, self.cfg.api_server_count):
-            child = dataclasses.replace(self.cfg, api_server_index=i,
-                                        shared_state=self.shared_state)
-            env = {**os.environ, **settings_environ(child)}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "gateway.main"], env=env,
-                                               preexec_fn=_die_with_parent))
+            self.procs.append(self._spawn(i))
+            self.started.append(time.monotonic())
+        threading.Thread(target=self._watch, name="api-server-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.WATCH_S):
+            with self._lock:
+                for j, proc in enumerate(self.procs):
+                    code = proc.poll()
+                    if code is None or self._stopping.is_set():
+                        continue
+                    if time.monotonic() - self.started[j] < self.MIN_LIFE_S:
+                        continue  # dying at once: wait, so a broken start cannot spin
+                    log.error("API server process %d exited with status %s: starting it "
+                              "again", j + 1, code)
+                    self.procs[j] = self._spawn(j + 1)
+                    self.started[j] = time.monotonic()
+                    self.restarts += 1
 
     def signal(self, sig: int) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(sig)
+        self._stopping.set()  # from here on an exit is wanted
+        with self._lock:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.send_signal(sig)
 
     def wait(self, timeout: float) -> None:
+        self._stopping.set()
         for proc in self.procs:
             try:
                 proc.wait(timeout)

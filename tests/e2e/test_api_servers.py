@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,3 +99,32 @@ def test_the_rate_limit_is_one_limit_across_the_processes() -> None:
     finally:
         worker.stop()
         gw.stop()
+
+
+def test_a_killed_second_process_is_started_again_and_serves(tmp_path: Path) -> None:
+    """kill -9 of process 1: process 0 logs it and starts it again on the same port and link,
+    and the worker joins it again (its link's reconnect), so fresh connections reach both."""
+    gw, worker = start()
+    try:
+        assert gw.popen is not None
+        [kid] = children(gw.popen.pid)
+        assert sorted(health_by_process(gw)) == [0, 1]
+        os.kill(kid, signal.SIGKILL)
+        wait_for(lambda: [k for k in children(gw.popen.pid) if k != kid], 30,
+                 "process 0 to start process 1 again")
+        assert "API server process 1 exited with status -9" in gw.output()
+        # the worker's link to process 1 rejoins the new process (a Hello again, as after any
+        # gateway restart)
+        def process_1_ok() -> bool:
+            try:
+                return health_by_process(gw).get(1, {}).get("status") == "ok"
+            except httpx.TransportError:  # a handshake caught as the port's socket group
+                return False               # changes is reset (SO_REUSEPORT): ask again
+
+        wait_for(process_1_ok, 60, "the worker to join the new process 1")
+        statuses = [httpx.post(gw.base_url + "/v1/completions", timeout=30, json={
+            "prompt": f"again {i}", "max_tokens": 2}).status_code for i in range(12)]
+        assert statuses == [200] * 12
+    finally:
+        worker.stop()
+        assert gw.stop() == 0
