@@ -74,9 +74,12 @@ def start(n: int, routing: str, worker_flags: list[str], gateway_flags: tuple[st
                      "--log-level", "WARNING", *worker_flags]).start() for _ in range(n)]
     deadline = time.monotonic() + 90
     while True:
-        try:  # each new connection may land on any of the processes: all must see n
-            if all(len(httpx.get(gw.base_url + "/health", timeout=2).json()["workers"]) == n
-                   for _ in range(4 * gateways)):
+        try:  # each new connection may land on any of the processes: all must see n, and
+            # every process must have answered (one still starting gets no connection yet)
+            bodies = [httpx.get(gw.base_url + "/health", timeout=2).json()
+                      for _ in range(4 * gateways)]
+            seen = {b.get("api_server", {}).get("index", 0) for b in bodies}
+            if all(len(b["workers"]) == n for b in bodies) and seen == set(range(gateways)):
                 break
         except httpx.HTTPError:
             pass
