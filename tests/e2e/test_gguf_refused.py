@@ -13,6 +13,7 @@ import gguf
 import httpx
 
 from engine_worker.model.loader import embedded_gguf_path
+from tests.engine_worker.gguf_factory import finish
 from tests.procs import GatewayProc, WorkerProc
 
 CUT = 1000
@@ -32,11 +33,7 @@ def copy_with_short_embedding(src: Path, out: Path) -> Path:
     for t in reader.tensors:
         data = t.data[:-CUT] if t.name == "token_embd.weight" else t.data
         writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return finish(writer, out)
 
 
 def short_embedding_file(cache_dir: Path) -> Path:

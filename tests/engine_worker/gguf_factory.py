@@ -39,6 +39,15 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{i}.{_NAMES[module]}.{kind}"
 
 
+def finish(writer: gguf.GGUFWriter, out: Path) -> Path:
+    """Write what `writer` holds (header, metadata, tensors) to its file, close it: `out`."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def write_state_gguf(state: dict[str, np.ndarray], out: Path, arch: str,
                      qtype_of: Callable[[str], gguf.GGMLQuantizationType], heads: int,
                      kv_heads: int, extra: dict[str, np.ndarray] | None = None) -> Path:
@@ -62,11 +71,7 @@ def write_state_gguf(state: dict[str, np.ndarray], out: Path, arch: str,
         writer.add_tensor(_gguf_name(name), quantize(w, qtype), raw_dtype=qtype)
     for name, w in (extra or {}).items():
         writer.add_tensor(name, np.asarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return finish(writer, out)
 
 
 def served_state(state: dict[str, np.ndarray],
@@ -104,11 +109,7 @@ def write_gguf(folder: Path, out: Path, layer_type: gguf.GGMLQuantizationType,
             continue
         qtype = embed_type if "embed_tokens" in name else layer_type
         writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return finish(writer, out)
 
 
 def reference_state(folder: Path, layer_type: gguf.GGMLQuantizationType,

@@ -9,6 +9,7 @@ import numpy as np
 
 from engine_worker.model.gguf_header import gguf_string, header_digest
 from engine_worker.model.loader import _converted
+from tests.engine_worker.gguf_factory import finish
 
 
 def _write(path: Path, eos: int, template: str) -> Path:
@@ -16,11 +17,7 @@ def _write(path: Path, eos: int, template: str) -> Path:
     w.add_eos_token_id(eos)
     w.add_chat_template(template)
     w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_an_edit_that_keeps_the_size_changes_the_digest(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from engine_worker.config import cache_dir_from_env
 from engine_worker.model import pretokenizer
 from engine_worker.model.loader import embedded_gguf_path, save_gguf_tokenizer
 from engine_worker.model.tokenizer import tokenizer_info
+from tests.engine_worker.gguf_factory import finish
 
 DATA = json.loads((Path(__file__).parents[1] / "data" / "llama_cpp_token_ids.json")
                   .read_text(encoding="utf-8"))
@@ -83,11 +84,7 @@ def _write(path: Path, model: str, pre: str | None) -> Path:
     w.add_string("tokenizer.ggml.model", model)
     if pre is not None:
         w.add_string("tokenizer.ggml.pre", pre)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_gguf_string_reads_what_gguf_reader_reads(tmp_path: Path) -> None:
