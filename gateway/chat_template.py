@@ -32,7 +32,8 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.template_sandbox import BoundedSandbox
 
 log = logging.getLogger("kestrel.gateway")
 TOOL_CALL_TAG = "<tool_call>"
@@ -130,8 +131,8 @@ def _stop_template_at(deadline: float) -> Any:
     return on_call
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -10,6 +10,7 @@ quick, and SIGTERM ends the gateway within its drain timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import socket
@@ -33,31 +34,42 @@ TEMPLATE_TIMEOUT_S = 0.5
 DRAIN_S = 2.0
 
 
+@contextlib.contextmanager
+def evil_peer(gw: GatewayProc, model_dir: Path, template: str,
+              hello_timeout_s: float = 10.0) -> Iterator[float]:
+    """A peer that joins as the worker of model "evil" with `template` as its chat template and
+    keeps sending heartbeats; yields how long the gateway took to welcome it."""
+    peer = FakeWorker(gw.engine_address)
+    info = tiny_hello(model_dir).tokenizer
+    hello = tiny_hello(model_dir, model_id="evil",
+                       tokenizer=dataclasses.replace(info, chat_template=template))
+    start = time.monotonic()
+    assert peer.hello(hello, timeout_s=hello_timeout_s) is not None
+    welcomed = time.monotonic() - start
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # a live worker, as far as the gateway can tell
+        while not stop.wait(0.2):
+            peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    try:
+        yield welcomed
+    finally:
+        stop.set()
+        beat.join()
+        peer.close()
+
+
 @pytest.fixture()
 def evil_and_real(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]:
     with GatewayProc("--template-timeout-s", str(TEMPLATE_TIMEOUT_S),
                      "--drain-timeout-s", str(DRAIN_S)) as gw, \
             WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1") as wk:
         gw.wait_ready()
-        peer = FakeWorker(gw.engine_address)
-        info = tiny_hello(tiny_model_dir).tokenizer
-        hello = tiny_hello(tiny_model_dir, model_id="evil",
-                           tokenizer=dataclasses.replace(info, chat_template=SILENT_LOOPS))
-        assert peer.hello(hello) is not None
-        stop = threading.Event()
-
-        def heartbeats() -> None:  # a live worker, as far as the gateway can tell
-            while not stop.wait(0.2):
-                peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
-
-        beat = threading.Thread(target=heartbeats, daemon=True)
-        beat.start()
-        try:
+        with evil_peer(gw, tiny_model_dir, SILENT_LOOPS):
             yield gw, wk
-        finally:
-            stop.set()
-            beat.join()
-            peer.close()
 
 
 def chat(base_url: str, model: str) -> httpx.Response:
@@ -105,6 +117,57 @@ def test_a_template_that_never_ends_stalls_no_other_request_and_not_shutdown(
     gw.signal(signal.SIGTERM)
     assert gw.popen is not None and gw.popen.wait(timeout=DRAIN_S + 5) == 0
     assert time.monotonic() - start < DRAIN_S + 5
+
+
+# Issue 42: arithmetic a message can trigger (each one bytecode step, so no render timeout
+# stops it) and, in the last branch, a constant jinja used to fold while compiling the Hello.
+ARITHMETIC = ("{% set n = messages[0].content|length %}"
+              "{% if messages[0].content.startswith('pow') %}{{ 10 ** (n * 833334) }}"
+              "{% elif messages[0].content.startswith('mul') %}{{ 'x' * (n * 300000000) }}"
+              "{% elif messages[0].content.startswith('hi') %}{{ messages[0].content }}"
+              "{% else %}{{ 10 ** 12000000 }}{% endif %}")
+
+
+def test_template_arithmetic_is_refused_at_once_and_stalls_nothing_else(
+        tiny_model_dir: Path) -> None:
+    """Before: the Hello of this template froze the gateway for 26 s while jinja folded
+    `10 ** 12000000`; each `pow` chat held the GIL for ~1.2 s (under the render timeout) and
+    each `mul` chat allocated gigabytes. Now the peer is welcomed at once, every such chat is a
+    400 naming the sandbox's limit, and the real model and liveness are served meanwhile."""
+    with GatewayProc() as gw, WorkerProc(tiny_model_dir, gw.engine_address, "--threads", "1"):
+        gw.wait_ready()
+        with evil_peer(gw, tiny_model_dir, ARITHMETIC, hello_timeout_s=20) as welcomed:
+            assert welcomed < 5, welcomed
+            contents = ["pow", "mul", "else"] * 3
+            with ThreadPoolExecutor(len(contents)) as pool:
+                evil = [pool.submit(httpx.post, gw.base_url + "/v1/chat/completions",
+                                    timeout=60, json={"model": "evil", "max_tokens": 2,
+                                                      "messages": [{"role": "user",
+                                                                    "content": text}]})
+                        for text in contents]
+                live = []
+                for _ in range(10):
+                    t = time.monotonic()
+                    assert httpx.get(gw.base_url + "/health/live", timeout=10).status_code == 200
+                    live.append(time.monotonic() - t)
+                real, took = timed_chat(gw.base_url, tiny_model_dir.name)
+                answers = [f.result(timeout=60) for f in evil]
+            # A conversation the template fits still renders and is sent (the peer never
+            # answers: the request's own timeout ends it).
+            fits = httpx.post(gw.base_url + "/v1/chat/completions", timeout=60, json={
+                "model": "evil", "max_tokens": 2, "timeout": 1,
+                "messages": [{"role": "user", "content": "hi"}]})
+        assert real.status_code == 200, real.text
+        for resp in answers:
+            assert resp.status_code == 400, resp.text
+            assert "sandbox's limit" in resp.json()["error"]["message"], resp.text
+        refused = [e["total_ms"] for e in gw.log_lines()
+                   if e.get("event") == "request_end" and e.get("status") == 400]
+        assert len(refused) == len(contents) and max(refused) < 500, refused
+        # (the first probe meets the nine chats' connections arriving, on two busy cores)
+        assert sorted(live)[len(live) // 2] < 0.1 and max(live) < 1.0, live
+        # (no token by its deadline: a 504, where a refused render is a 400)
+        assert fits.status_code == 504 and fits.json()["error"]["code"] == "timeout", fits.text
 
 
 def deep_schema(depth: int = 8, width: int = 3, leaf: str = "string") -> dict:
