@@ -1,7 +1,10 @@
 """Shared fixtures: the converted SmolLM2 checkpoint, a tiny random Llama, running servers.
 
 Checkpoints live in KESTREL_CACHE_DIR (default ~/.cache/kestrel): SmolLM2's one-time conversion
-from the embedded GGUF takes ~25 s; later sessions reuse it.
+from the embedded GGUF takes ~25 s; later sessions reuse it. `smollm2_meta_dir` is the embedded
+GGUF's metadata folder (config and tokenizer) converted afresh once a run, by this run's code:
+the tokenizer's conversion through transformers takes ~20 s, so the tests that need the
+tokenizer as save_gguf_tokenizer writes it share this one folder and only read it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,21 @@ def smollm2_dir(cache_dir: Path) -> Path:
     from engine_worker.model.loader import resolve_checkpoint
 
     return resolve_checkpoint("default", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def gguf_meta_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty cache folder of this run, for `smollm2_meta_dir`'s conversion alone."""
+    return tmp_path_factory.mktemp("gguf-meta-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_meta_dir(gguf_meta_cache: Path) -> Path:
+    """The embedded GGUF converted with weights=False (config.json, tokenizer files) into
+    `gguf_meta_cache`: a conversion of this run, never an older run's cached folder."""
+    from engine_worker.model.loader import embedded_gguf_path, resolve_checkpoint
+
+    return resolve_checkpoint(str(embedded_gguf_path()), gguf_meta_cache, weights=False)
 
 
 @pytest.fixture(scope="session")

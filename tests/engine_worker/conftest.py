@@ -3,7 +3,8 @@ is the slow part, and every test uses its own block ids, so sharing a runner is 
 
 `smollm2_dir` (the converted SmolLM2, cached under KESTREL_CACHE_DIR or ~/.cache/kestrel) comes
 from tests/conftest.py. The tiny model here lives in a temp folder and takes its tokenizer from
-the embedded GGUF, so tests that skip SmolLM2 (`-m "not smollm"`) never convert it.
+the embedded GGUF (the run's `smollm2_meta_dir`: config and tokenizer, no weights), so tests that
+skip SmolLM2 (`-m "not smollm"`) never convert its weights.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ KV_BUDGET = 64 << 20  # bytes: 64 MiB is >1000 tokens even for SmolLM2 in float3
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_meta_dir: Path) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), seed=0,
+                                tokenizer_from=smollm2_meta_dir)
 
 
 @pytest.fixture(scope="session")

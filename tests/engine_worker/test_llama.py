@@ -257,14 +257,25 @@ def test_tokenizer_info_reads_plain_files(tiny_dir: Path) -> None:
     assert Tokenizer.from_str(info.tokenizer_json).get_vocab_size() == 49152
 
 
+def _no_conversion(*args: object, **kw: object) -> None:
+    raise AssertionError("converted again")
+
+
 @pytest.mark.smollm
-def test_gguf_metadata_folder_holds_no_weights(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_gguf_metadata_folder_holds_no_weights(
+        smollm2_dir: Path, smollm2_meta_dir: Path, gguf_meta_cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Serving a GGUF from its own blocks needs its config and tokenizer only: no float copy
-    of the weights is written, and the config is the one the full conversion reads."""
-    meta = resolve_checkpoint(str(embedded_gguf_path()), tmp_path, weights=False)
-    assert meta.name.endswith("-meta") and meta.parent == tmp_path
+    of the weights is written, and the config is the one the full conversion reads. The
+    conversion is the run's shared one (tests/conftest.py: resolve_checkpoint(weights=False)
+    into a folder that was empty), read here, never written to."""
+    meta = smollm2_meta_dir
+    assert meta.name.endswith("-meta") and meta.parent == gguf_meta_cache
+    assert [p.name for p in gguf_meta_cache.iterdir()] == [meta.name]  # no temporary left
     assert not list(meta.glob("*.safetensors")) and (meta / "tokenizer.json").is_file()
     assert load_config(meta) == load_config(smollm2_dir)
-    assert resolve_checkpoint(str(embedded_gguf_path()), tmp_path, weights=False) == meta
+    # found again without converting
+    monkeypatch.setattr("engine_worker.model.loader.convert_gguf", _no_conversion)
+    assert resolve_checkpoint(str(embedded_gguf_path()), gguf_meta_cache, weights=False) == meta
     # a whole conversion, where one exists, serves the metadata too
     assert resolve_checkpoint("default", smollm2_dir.parent, weights=False) == smollm2_dir

@@ -39,10 +39,15 @@ def _gguf(name: str) -> Path:
 
 @pytest.fixture(scope="module", params=[embedded_gguf_path().name, QWEN])
 def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(file name, the gateway's tokenizer built from what save_gguf_tokenizer wrote)."""
+    """(file name, the gateway's tokenizer built from what save_gguf_tokenizer wrote). SmolLM2's
+    is the run's metadata conversion (tests/conftest.py), which save_gguf_tokenizer wrote this
+    run: one ~20 s conversion shared with the tests that read it too."""
     path = _gguf(request.param)
-    out = tmp_path_factory.mktemp("tok")
-    save_gguf_tokenizer(path, out)
+    if request.param == QWEN:
+        out = tmp_path_factory.mktemp("tok")
+        save_gguf_tokenizer(path, out)
+    else:
+        out = request.getfixturevalue("smollm2_meta_dir")
     return request.param, Tokenizer.from_str(tokenizer_info(out).tokenizer_json)
 
 
