@@ -45,6 +45,12 @@ __all__ = ["EngineClient", "ModelEntry", "NoWorkerError", "RequestHandle", "Stop
 log = logging.getLogger("kestrel.gateway.engine")
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout"})
+# A worker that sends this many frames no honest worker sends (RequestHandle.refuse, empty
+# StepOutputs) within FAULT_WINDOW_S is dropped: each one already ended its request with an
+# error. (A window, not a life count: a model whose head is wider than its tokenizer may, very
+# rarely, sample a padding id, and a worker that serves for months must not die of that.)
+MAX_WORKER_FAULTS = 3
+FAULT_WINDOW_S = 60.0
 
 
 class EngineClient:
@@ -124,7 +130,8 @@ class EngineClient:
             raise NoWorkerError(f"no ready worker serves {model_id!r} with a context of "
                                 f"{need} tokens")
         worker = self.router.pick(candidates, gen.prompt_token_ids, gen.cache_salt)
-        handle = RequestHandle(gen, worker, deadline)
+        entry = self.registry.models.get(model_id)
+        handle = RequestHandle(gen, worker, deadline, entry.vocab_size if entry else None)
         self.requests[gen.request_id] = handle
         await self._send_generate(handle, worker)
         return handle
@@ -172,6 +179,9 @@ class EngineClient:
                 await self._on_frames(identity, body)
             except Exception:  # one bad frame or bug must not stop the link
                 log.exception("error while handling a frame from a worker")
+            # A receive returns at once while frames are queued: without this, a worker sending
+            # as fast as the link takes them would hold the event loop (every route, /health).
+            await asyncio.sleep(0)
 
     async def _on_frames(self, identity: bytes, body: list[bytes]) -> None:
         worker = self.workers.get(identity)
@@ -201,10 +211,38 @@ class EngineClient:
         handle.answered = True
         if isinstance(msg, m.RequestError):
             msg = replace(msg, message=msg.message[:1000], code=msg.code[:64])
+        elif (why := handle.refuse(msg)) is not None:
+            self._refuse(worker, why, handle)
+            return
         handle.events.put_nowait(msg)
+
+    def _refuse(self, worker: WorkerState, why: str, handle: RequestHandle | None = None) -> None:
+        """A frame no honest worker sends: its request (if any) ends with a 502 and is cancelled
+        at the worker; the worker is dropped once it has done so MAX_WORKER_FAULTS times."""
+        now = time.monotonic()
+        worker.faults = [t for t in worker.faults if now - t < FAULT_WINDOW_S] + [now]
+        log.warning("worker %s sent a frame the gateway refuses (%d of %d in %.0f s): %s",
+                    worker.name, len(worker.faults), MAX_WORKER_FAULTS, FAULT_WINDOW_S, why)
+        if handle is not None:
+            handle.events.put_nowait(m.RequestError(
+                handle.request_id, f"the worker sent a frame the gateway refuses: {why}",
+                "bad_worker_frame"))
+            self.release(handle)
+            self._spawn(self.link.send(worker.identity, m.Cancel(handle.request_id)),
+                        "engine-cancel")
+        if len(worker.faults) >= MAX_WORKER_FAULTS:
+            self._drop_worker(worker, f"sent {len(worker.faults)} frames the gateway refuses "
+                                      f"in {FAULT_WINDOW_S:.0f} s")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     async def _dispatch(self, worker: WorkerState, msg: Any) -> None:
         if isinstance(msg, m.StepOutputs):  # the codec checked each finish_reason's value
+            if not msg.outputs:
+                self._refuse(worker, "a step's frame with no outputs")
             for out in msg.outputs:
                 self._deliver(worker, out)
         elif isinstance(msg, (m.TokenOutput, m.RequestError)):
@@ -251,7 +289,5 @@ class EngineClient:
             return False
         handle.retried = True
         target = self.router.pick(others, handle.gen.prompt_token_ids)
-        task = asyncio.create_task(self._send_generate(handle, target), name="engine-retry")
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
+        self._spawn(self._send_generate(handle, target), "engine-retry")
         return True

@@ -194,7 +194,8 @@ class Generation:
                                          f"({event.reason})", "worker_lost")
             if isinstance(event, m.RequestError):
                 self._live = False
-                status = {"invalid_request": 400, "unavailable": 503}.get(event.code, 500)
+                status = {"invalid_request": 400, "unavailable": 503,
+                          "bad_worker_frame": 502}.get(event.code, 500)
                 raise EngineFailure(status, event.message, event.code)
             out = self._on_output(event)
             if out is None:

@@ -71,6 +71,8 @@ class WorkerState:
     # Sequences its last heartbeat counted beyond ours (another gateway's, with several API
     # server processes); see load.
     others: int = 0
+    # When it sent frames no honest worker sends (EngineClient._refuse), within a window.
+    faults: list[float] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -104,6 +106,12 @@ class ModelEntry:
     tokenizer: GatewayTokenizer
     digest: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Token ids its workers may send are in range(vocab_size): the tokenizer's, added included.
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.vocab_size is None:
+            self.vocab_size = self.tokenizer.vocab_size
 
 
 class Registry:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
-from gateway.engine_client import EngineClient, WorkerLost
+import pytest
+
+from gateway.engine_client import FAULT_WINDOW_S, MAX_WORKER_FAULTS, EngineClient, WorkerLost
 from protocol import codec
 from protocol import messages as m
 
 TOK = m.TokenizerInfo('{"model": {}}', None, None, None, [0])
+VOCAB = 100  # the fake tokenizer's
 
 
 def client_with_workers(n: int) -> tuple[EngineClient, list[Any], list]:
@@ -26,7 +30,8 @@ def client_with_workers(n: int) -> tuple[EngineClient, list[Any], list]:
     digest = codec.tokenizer_digest(TOK)
     workers = [client.registry.admit(f"w{i}".encode(), m.Hello(
         m.PROTOCOL_VERSION, f"w{i}", "tiny", 256, 4096, 8, TOK), digest,
-        tokenizer=object() if i == 0 else None) for i in range(n)]  # type: ignore[arg-type]
+        tokenizer=SimpleNamespace(vocab_size=VOCAB) if i == 0 else None)  # type: ignore[arg-type]
+        for i in range(n)]
     return client, workers, sent
 
 
@@ -117,3 +122,76 @@ def test_a_peer_refused_again_and_again_is_logged_once_without_a_traceback(caplo
     assert len(refusals) == 1 and refusals[0].levelname == "WARNING"
     assert "tokenizer did not load" in refusals[0].getMessage()
     assert not any(r.exc_info for r in caplog.records)  # no traceback, at any level
+
+
+# ---- issue 42: a worker is trusted with its model's output, never with the gateway -------------
+
+BAD_FRAMES = {
+    "tokens past max_tokens": m.TokenOutput("r1", 0, [5] * 5),
+    "a token id outside the vocabulary": m.TokenOutput("r1", 0, [VOCAB]),
+    "a negative token id": m.TokenOutput("r1", 0, [-1]),
+    "a choice the request does not have": m.TokenOutput("r1", 1, [5]),
+    "a frame with no token and no finish": m.TokenOutput("r1", 0, []),
+    "logprobs that do not match the tokens": m.TokenOutput("r1", 0, [5], logprobs=[]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_a_bad_frame_ends_its_request_with_a_502_error_and_cancels_it(name: str) -> None:
+    async def run() -> None:
+        client, _, sent = client_with_workers(1)
+        handle = await client.submit("tiny", gen(), deadline=None)  # max_tokens=4, n=1
+        await client._dispatch(handle.worker, BAD_FRAMES[name])
+        await asyncio.sleep(0)  # the Cancel's send task
+        error = handle.events.get_nowait()
+        assert isinstance(error, m.RequestError) and error.code == "bad_worker_frame"
+        assert handle.events.empty() and handle.closed and "r1" not in client.requests
+        assert isinstance(sent[-1][1], m.Cancel) and sent[-1][1].request_id == "r1"
+        await client._dispatch(handle.worker, m.TokenOutput("r1", 0, [5]))
+        assert handle.events.empty()  # nothing more reaches a refused request
+        client.link.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_takes_max_tokens_and_one_last_frame_per_choice_and_no_more() -> None:
+    async def run() -> None:
+        client, _, _ = client_with_workers(1)
+        handle = await client.submit("tiny", gen(), deadline=None)  # max_tokens=4
+        for frame in (m.TokenOutput("r1", 0, [1, 2]), m.TokenOutput("r1", 0, [3]),
+                      m.TokenOutput("r1", 0, [4], "length")):
+            await client._dispatch(handle.worker, frame)
+        taken = [handle.events.get_nowait() for _ in range(3)]
+        assert [t.token_ids for t in taken] == [[1, 2], [3], [4]]
+        await client._dispatch(handle.worker, m.TokenOutput("r1", 0, [], "stop"))
+        assert isinstance(handle.events.get_nowait(), m.RequestError)  # after its last frame
+        client.link.close()
+
+    asyncio.run(run())
+
+
+def test_a_worker_that_keeps_sending_bad_frames_is_dropped() -> None:
+    async def run() -> None:
+        client, [worker], _ = client_with_workers(1)
+        for i in range(MAX_WORKER_FAULTS - 1):
+            await client.submit("tiny", gen(f"r{i}"), deadline=None)
+            await client._dispatch(worker, m.TokenOutput(f"r{i}", 0, [VOCAB + 7]))
+            assert worker.identity in client.workers
+        innocent = await client.submit("tiny", gen("innocent"), deadline=None)
+        await client._dispatch(worker, m.StepOutputs([]))  # no honest step has no outputs
+        assert worker.identity not in client.workers
+        assert isinstance(innocent.events.get_nowait(), WorkerLost)
+        client.link.close()
+
+    asyncio.run(run())
+
+
+def test_bad_frames_older_than_the_window_do_not_count_towards_a_drop() -> None:
+    async def run() -> None:
+        client, [worker], _ = client_with_workers(1)
+        worker.faults = [time.monotonic() - FAULT_WINDOW_S - 1] * (MAX_WORKER_FAULTS + 5)
+        await client._dispatch(worker, m.StepOutputs([]))
+        assert worker.identity in client.workers and len(worker.faults) == 1
+        client.link.close()
+
+    asyncio.run(run())

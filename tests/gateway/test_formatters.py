@@ -42,6 +42,7 @@ def run(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
         tok: GatewayTokenizer, finish: str = "stop", **params: Any) -> Rendered:
     """A formatter for a request the fake engine answers with `answer`, one token a frame,
     and the ChoiceEvents its Generation produced."""
+    params.setdefault("max_tokens", 256)  # room for every answer (the gateway counts them)
 
     async def go() -> Rendered:
         client = EngineClient("inproc://unused")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 from gateway.membership import Membership
 from gateway.registry import Registry, WorkerState
 from protocol import codec
 from tests.gateway.test_registry import TOK, hello
+
+FAKE_TOKENIZER = SimpleNamespace(vocab_size=100)  # what the registry reads of one
 
 TIMEOUT_S = 0.3
 
@@ -18,7 +21,7 @@ TIMEOUT_S = 0.3
 def _membership() -> tuple[Membership, WorkerState, list[str]]:
     registry = Registry()
     worker = registry.admit(b"w", hello(), codec.tokenizer_digest(TOK),
-                            tokenizer=object())  # type: ignore[arg-type]
+                            tokenizer=FAKE_TOKENIZER)  # type: ignore[arg-type]
     lost: list[str] = []
     membership = Membership(link=None, registry=registry,  # type: ignore[arg-type]
                             heartbeat_timeout_s=TIMEOUT_S,

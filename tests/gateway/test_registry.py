@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.registry import MAX_NUM_SEQS, Registry, check_hello
 from protocol import codec
 from protocol import messages as m
+
+FAKE_TOKENIZER = SimpleNamespace(vocab_size=100)  # what the registry reads of one
 
 TOK = m.TokenizerInfo('{"model": {}}', None, None, None, [0])
 OTHER_TOK = m.TokenizerInfo('{"model": {"x": 1}}', None, None, None, [0])
@@ -37,7 +40,7 @@ def test_a_plain_hello_passes() -> None:
 
 def test_a_second_worker_with_another_tokenizer_for_the_model_is_refused() -> None:
     reg = Registry()
-    reg.admit(b"a", hello(), codec.tokenizer_digest(TOK), tokenizer=object())  # type: ignore[arg-type]
+    reg.admit(b"a", hello(), codec.tokenizer_digest(TOK), tokenizer=FAKE_TOKENIZER)  # type: ignore[arg-type]
     other = hello(tokenizer=OTHER_TOK, tokenizer_digest=codec.tokenizer_digest(OTHER_TOK))
     assert "tokenizer differs" in (reg.refuse_reason(other, codec.tokenizer_digest(OTHER_TOK))
                                    or "")
@@ -54,7 +57,7 @@ def test_a_digest_that_does_not_match_the_tokenizer_sent_is_refused() -> None:
 def test_the_model_context_is_the_largest_and_candidates_must_fit() -> None:
     reg = Registry()
     digest = codec.tokenizer_digest(TOK)
-    small = reg.admit(b"s", hello(max_model_len=64), digest, tokenizer=object())  # type: ignore[arg-type]
+    small = reg.admit(b"s", hello(max_model_len=64), digest, tokenizer=FAKE_TOKENIZER)  # type: ignore[arg-type]
     big = reg.admit(b"b", hello(max_model_len=512), digest, None)
     assert reg.models["tiny"].hello.max_model_len == 512
     assert reg.candidates("tiny", 100) == [big]
@@ -68,6 +71,6 @@ def test_the_model_context_is_the_largest_and_candidates_must_fit() -> None:
 def test_worker_names_are_opaque_and_never_the_worker_id() -> None:
     reg = Registry()
     digest = codec.tokenizer_digest(TOK)
-    w1 = reg.admit(b"id-one", hello(worker_id="id-one"), digest, tokenizer=object())  # type: ignore[arg-type]
+    w1 = reg.admit(b"id-one", hello(worker_id="id-one"), digest, tokenizer=FAKE_TOKENIZER)  # type: ignore[arg-type]
     w2 = reg.admit(b"id-two", hello(worker_id="id-two"), digest, None)
     assert (w1.name, w2.name) == ("w1", "w2")
