@@ -211,7 +211,7 @@ class EngineClient:
         handle.answered = True
         if isinstance(msg, m.RequestError):
             msg = replace(msg, message=msg.message[:1000], code=msg.code[:64])
-        elif (why := handle.refuse(msg)) is not None:
+        elif (why := _refusal(handle, msg)) is not None:
             self._refuse(worker, why, handle)
             return
         handle.events.put_nowait(msg)
@@ -291,3 +291,27 @@ class EngineClient:
         target = self.router.pick(others, handle.gen.prompt_token_ids)
         self._spawn(self._send_generate(handle, target), "engine-retry")
         return True
+
+
+def _refusal(handle: RequestHandle, out: m.TokenOutput) -> str | None:
+    """Why no honest worker sends this frame for this request; None: it is taken (and counted).
+    A worker is trusted with its model's output, never with the gateway: at most max_tokens
+    tokens of the model's vocabulary and one last frame per choice get through."""
+    n, i = len(handle.tokens), out.index
+    if not 0 <= i < n:
+        return f"a frame for choice {i} of a request with n={n}"
+    if handle.ended[i]:
+        return f"a frame for choice {i} after its last"
+    if not out.token_ids and out.finish_reason is None:
+        return "a frame with no token and no finish"
+    total, most = handle.tokens[i] + len(out.token_ids), handle.gen.params.max_tokens
+    if total > most:
+        return f"{total} tokens for choice {i}, over the request's max_tokens of {most}"
+    vocab = handle.vocab_size
+    if vocab is not None and any(not 0 <= t < vocab for t in out.token_ids):
+        return f"a token id outside the model's vocabulary of {vocab}"
+    if out.logprobs is not None and len(out.logprobs) != len(out.token_ids):
+        return f"{len(out.logprobs)} logprob entries for {len(out.token_ids)} tokens"
+    handle.tokens[i] = total
+    handle.ended[i] = out.finish_reason is not None
+    return None
