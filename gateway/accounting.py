@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from gateway.admission import Admission
+from gateway.admission import Admissions
 from gateway.engine_client import EngineClient
 from gateway.generation import Generation
 from gateway.metrics import Metrics
@@ -32,7 +32,7 @@ class Accounting:
         self.metrics = metrics
         self.tracer = tracer  # None: tracing off
 
-    def watch(self, admission: Admission, client: EngineClient) -> None:
+    def watch(self, admission: Admissions, client: EngineClient) -> None:
         """Point the gauges at what they show; they are read at each scrape."""
         mx = self.metrics
         mx.in_flight.set_function(lambda: admission.outstanding)

@@ -87,6 +87,11 @@ class Ticket:
     def granted(self) -> bool:
         return self.slot is not None
 
+    @property
+    def admission(self) -> Admission:
+        """The (model's) admission this place is in."""
+        return self._admission
+
     async def wait(self, timeout: float | None = None) -> Slot:
         """The slot, once granted; TimeoutError after `timeout` s; QueueClosed on shutdown."""
         if self.slot is not None:
@@ -267,3 +272,64 @@ class Admission:
     def poke(self) -> None:
         """The limit may have grown (a worker joined): admit waiters that now fit."""
         self._wake()
+
+
+class Admissions:
+    """One Admission per model: each with its own limit (the seats of that model's ready
+    workers), queue (max_queue each) and backlog, so that a model's load never fills another's
+    seats, and a worker of one model announcing many sequences lifts no other model's limit.
+    The totals are for the gauges and /health."""
+
+    def __init__(self, limit: Callable[[str], int], max_queue: int,
+                 estimator: DrainEstimator, workers: Callable[[str], Iterable[str]],
+                 capacity: Callable[[str], Capacity | None]) -> None:
+        self._limit, self._workers, self._capacity = limit, workers, capacity
+        self.max_queue = max_queue
+        self.estimator = estimator  # shared: its rates are per worker
+        self.by_model: dict[str, Admission] = {}
+
+    def of(self, model: str) -> Admission:
+        """The model's admission ("" for a name no worker serves: the route answers 404)."""
+        admission = self.by_model.get(model)
+        if admission is None:
+            admission = self.by_model[model] = Admission(
+                lambda: self._limit(model), self.max_queue, self.estimator,
+                workers=lambda: self._workers(model), capacity=self._capacity)
+        return admission
+
+    @property
+    def outstanding(self) -> int:
+        return sum(a.outstanding for a in self.by_model.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(a.waiting for a in self.by_model.values())
+
+    @property
+    def queue_full(self) -> bool:
+        """Every model's queue is full (before a body names its model, nothing else is known)."""
+        return bool(self.by_model) and all(a.queue_full for a in self.by_model.values())
+
+    def check(self) -> None:
+        """Before the body is read: QueueFull only when no model could take the request."""
+        if self.queue_full:
+            for admission in self.by_model.values():
+                admission.check()
+
+    def drain_rate(self) -> float:
+        return sum(a.drain_rate() for a in self.by_model.values())
+
+    def expected_wait(self) -> float | None:
+        """The longest of the models' expected waits (None: one is not measured yet)."""
+        waits = [a.expected_wait() for a in self.by_model.values()]
+        if any(w is None for w in waits):
+            return None
+        return max(waits, default=0.0)  # type: ignore[type-var]
+
+    def reject_waiters(self) -> None:
+        for admission in self.by_model.values():
+            admission.reject_waiters()
+
+    def poke(self) -> None:
+        for admission in self.by_model.values():
+            admission.poke()

@@ -7,10 +7,11 @@
         not behind the backlog ──▶ start: wait for the slot (504 at a deadline), send it to a
         worker (503 without one) ──▶ a live Generation, whose tokens the backlog reads
 
-The queue itself is gateway.admission, the estimate gateway.backlog; the limit is
-max_outstanding, or the sequences the ready workers announced. A request without a deadline is
-never refused on an estimate. Draining is checked before the body is read and again after
-(SIGTERM may come while a body arrives); a request already queued is failed by reject_waiters.
+The queue itself is gateway.admission, one per model, the estimate gateway.backlog; a model's
+limit is max_outstanding, or the sequences its ready workers announced. A request without a
+deadline is never refused on an estimate. Draining is checked before the body is read and again
+after (SIGTERM may come while a body arrives); a request already queued is failed by
+reject_waiters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from prometheus_client import Counter
 
 from gateway.accounting import Accounting
-from gateway.admission import Admission, QueueClosed, Rejected, Ticket
+from gateway.admission import Admissions, QueueClosed, Rejected, Ticket
 from gateway.backlog import Capacity, Work, capacity_of
 from gateway.config import GatewayConfig
 from gateway.drain import DrainEstimator
@@ -40,11 +41,12 @@ class Admitter:
         self.accounting = accounting
         self.rejections = rejections
         self.draining = False
-        # The limit is read at each decision: by default it follows the workers that are ready.
+        # Per model, read at each decision: by default the seats of its ready workers.
         fixed = cfg.max_outstanding
-        self.limit: Callable[[], int] = (lambda: fixed) if fixed else client.registry.capacity
-        self.admission = Admission(self.limit, cfg.max_queue, DrainEstimator(),
-                                   workers=client.registry.ready_ids, capacity=self.capacity)
+        registry = client.registry
+        self.limit: Callable[[str], int] = (lambda _model: fixed) if fixed else registry.seats
+        self.admission = Admissions(self.limit, cfg.max_queue, DrainEstimator(),
+                                    workers=registry.worker_ids, capacity=self.capacity)
 
     def capacity(self, model: str) -> Capacity | None:
         """The model's ready workers: their measured step costs and seats."""
@@ -83,7 +85,7 @@ class Admitter:
                     asked or min(default or most, self.cfg.max_tokens_cap, most),
                     getattr(body, "n", None) or 1, draft.deadline)
         try:
-            return self.admission.reserve(work)
+            return self.admission.of(work.model).reserve(work)
         except Rejected as exc:
             raise self._rejected(exc) from None
 
@@ -98,7 +100,7 @@ class Admitter:
         work.max_tokens, work.n = req.params.max_tokens, req.params.n
         if req.deadline is not None:
             budget, remaining = req.deadline - req.arrival, req.deadline - time.monotonic()
-            idle = self.admission.backlog.idle_s(work)
+            idle = ticket.admission.backlog.idle_s(work)
             if remaining <= 0 or (idle is not None and idle > budget):
                 least = f"about {idle:.1f} s" if idle is not None else "more"
                 raise APIError(400, f"this request cannot finish within its timeout of "
@@ -108,7 +110,7 @@ class Admitter:
                                param="max_tokens" if remaining > 0 else "timeout",
                                code="deadline_unreachable")
         try:
-            self.admission.refine(work, ticket.granted)
+            ticket.admission.refine(work, ticket.granted)
         except Rejected as exc:
             raise self._rejected(exc) from None
 

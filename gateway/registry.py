@@ -130,12 +130,13 @@ class Registry:
             entry = next((e for e in self.models.values() if name in e.hello.aliases), None)
         return entry
 
-    def capacity(self) -> int:
-        """Sequences the ready workers can run at once: the default admission limit."""
-        return sum(w.hello.max_num_seqs for w in self.ready_workers())
+    def seats(self, model_id: str) -> int:
+        """Sequences the model's ready workers run at once: its default admission limit."""
+        return sum(w.hello.max_num_seqs for w in self.candidates(model_id))
 
-    def ready_ids(self) -> list[str]:
-        return [w.hello.worker_id for w in self.ready_workers()]
+    def worker_ids(self, model_id: str) -> list[str]:
+        """The ids of the model's ready workers (their drain rates add up)."""
+        return [w.hello.worker_id for w in self.candidates(model_id)]
 
     def candidates(self, model_id: str, need_len: int = 0) -> list[WorkerState]:
         """Ready workers of the model whose own context fits `need_len` tokens."""

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.accounting import Accounting
+from gateway.admission import QueueFull
 from gateway.admit import Admitter
-from gateway.backlog import MARGIN
+from gateway.backlog import MARGIN, Work
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError
@@ -21,6 +22,7 @@ from gateway.intake import Draft, EngineRequest
 from gateway.metrics import Metrics
 from gateway.schemas import GenerateRequest
 from gateway.tokenizer import GatewayTokenizer
+from protocol import codec
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
 
@@ -68,10 +70,37 @@ def setup(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
 def test_the_limit_is_the_setting_or_the_workers_capacity(setup: Setup,
                                                           smollm2_info: m.TokenizerInfo,
                                                           smollm2: GatewayTokenizer) -> None:
-    assert setup.admit.limit() == 1
+    assert setup.admit.limit("tiny") == 1
     other = Setup(smollm2_info, smollm2)
-    assert other.admit.limit() == 8  # the fake worker's max_num_seqs
+    assert other.admit.limit("tiny") == 8  # the fake worker's max_num_seqs
     other.client.link.close()
+
+
+def test_each_model_has_its_own_seats_and_queue(smollm2_info: m.TokenizerInfo,
+                                                smollm2: GatewayTokenizer) -> None:
+    """Issue 42: the limit was the sum of every ready worker's max_num_seqs, whatever model it
+    served: a worker of another model announcing 1,024 sequences let 12 requests at once onto a
+    2-sequence worker (8 got 504). Seats, queue and backlog are now the model's own."""
+    async def go() -> None:
+        s = Setup(smollm2_info, smollm2, max_queue=2)
+        big = m.Hello(m.PROTOCOL_VERSION, "big-worker", "big", 2048, 65536, 1024, smollm2_info)
+        s.client.registry.admit(b"big", big, codec.tokenizer_digest(smollm2_info), smollm2)
+        assert (s.admit.limit("tiny"), s.admit.limit("big")) == (8, 1024)
+        tiny, other = s.admit.admission.of("tiny"), s.admit.admission.of("big")
+        seated = [tiny.reserve(Work("tiny", 3, 4)) for _ in range(8)]
+        assert all(t.granted for t in seated)
+        queued = [tiny.reserve(Work("tiny", 3, 4)) for _ in range(2)]
+        assert not any(t.granted for t in queued)  # big's 1,024 seats are not tiny's
+        with pytest.raises(QueueFull):
+            tiny.reserve(Work("tiny", 3, 4))
+        assert other.reserve(Work("big", 3, 4)).granted  # nor is tiny's full queue big's
+        s.admit.precheck()  # a body that may name "big" is still read
+        assert (s.admit.admission.outstanding, s.admit.admission.waiting) == (9, 2)
+        seated[0].slot.release()
+        assert queued[0].granted or queued[0].future.done()  # tiny's own release wakes it
+        s.client.link.close()
+
+    asyncio.run(go())
 
 
 def test_draining_is_a_503_before_and_after_the_body(setup: Setup) -> None:
@@ -156,7 +185,7 @@ def test_check_fit_refuses_what_cannot_finish_in_time(setup: Setup) -> None:
         assert (exc.value.status, exc.value.code) == (400, "deadline_unreachable")
         setup.admit.check_fit(setup.request(seconds=30.0, max_tokens=4), ticket)  # ~2 s: fits
         ticket.cancel()
-        assert len(setup.admit.admission.backlog) == 0
+        assert len(setup.admit.admission.of("tiny").backlog) == 0
 
     asyncio.run(go())
 
@@ -204,7 +233,7 @@ def test_a_burst_is_admitted_only_as_far_as_it_can_finish_by_its_deadline(
         assert setup.rejected("would_miss_deadline") == refused
         for t in tickets:
             t.cancel()
-        assert len(setup.admit.admission.backlog) == 0  # nothing counted is left behind
+        assert len(setup.admit.admission.of("tiny").backlog) == 0  # nothing counted is left behind
 
     asyncio.run(go())
     setup.client.link.close()
