@@ -39,7 +39,7 @@ class Accounting:
         mx.waiting.set_function(lambda: admission.waiting)
         mx.workers_ready.set_function(lambda: len(client.ready_workers()))
         mx.drain_rate.set_function(admission.drain_rate)
-        mx.service_time.set_function(admission.estimator.service_s)
+        mx.service_time.set_function(admission.service_s)
         mx.expected_wait.set_function(
             lambda: math.nan if (w := admission.expected_wait()) is None else w)
 

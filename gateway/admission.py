@@ -66,6 +66,7 @@ class Slot:
         self.released = False
         self.granted_at = time.monotonic()
         self.worker: str | None = None  # set once a worker took the request: it drains the queue
+        self.ran = 1.0  # the share of its work that ran before release (DrainEstimator.record)
 
     def release(self) -> None:
         if not self.released:
@@ -257,7 +258,7 @@ class Admission:
         if slot.work is not None:
             self.backlog.remove(slot.work)
         if slot.worker is not None:
-            self.estimator.record(slot.worker, time.monotonic() - slot.granted_at)
+            self.estimator.record(slot.worker, time.monotonic() - slot.granted_at, slot.ran)
         self._wake()
 
     def _wake(self) -> None:
@@ -281,19 +282,19 @@ class Admissions:
     The totals are for the gauges and /health."""
 
     def __init__(self, limit: Callable[[str], int], max_queue: int,
-                 estimator: DrainEstimator, workers: Callable[[str], Iterable[str]],
+                 workers: Callable[[str], Iterable[str]],
                  capacity: Callable[[str], Capacity | None]) -> None:
         self._limit, self._workers, self._capacity = limit, workers, capacity
         self.max_queue = max_queue
-        self.estimator = estimator  # shared: its rates are per worker
         self.by_model: dict[str, Admission] = {}
 
     def of(self, model: str) -> Admission:
         """The model's admission ("" for a name no worker serves: the route answers 404)."""
         admission = self.by_model.get(model)
         if admission is None:
+            # Its own drain estimate: a rate() forgets the workers it is not given.
             admission = self.by_model[model] = Admission(
-                lambda: self._limit(model), self.max_queue, self.estimator,
+                lambda: self._limit(model), self.max_queue, DrainEstimator(),
                 workers=lambda: self._workers(model), capacity=self._capacity)
         return admission
 
@@ -318,6 +319,10 @@ class Admissions:
 
     def drain_rate(self) -> float:
         return sum(a.drain_rate() for a in self.by_model.values())
+
+    def service_s(self) -> float:
+        """The longest of the models' slot hold times lately."""
+        return max((a.estimator.service_s() for a in self.by_model.values()), default=0.0)
 
     def expected_wait(self) -> float | None:
         """The longest of the models' expected waits (None: one is not measured yet)."""

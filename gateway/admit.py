@@ -26,7 +26,6 @@ from gateway.accounting import Accounting
 from gateway.admission import Admissions, QueueClosed, Rejected, Ticket
 from gateway.backlog import Capacity, Work, capacity_of
 from gateway.config import GatewayConfig
-from gateway.drain import DrainEstimator
 from gateway.engine_client import EngineClient, NoWorkerError, new_request_id
 from gateway.errors import APIError, too_many_requests
 from gateway.generation import Generation
@@ -45,8 +44,8 @@ class Admitter:
         fixed = cfg.max_outstanding
         registry = client.registry
         self.limit: Callable[[str], int] = (lambda _model: fixed) if fixed else registry.seats
-        self.admission = Admissions(self.limit, cfg.max_queue, DrainEstimator(),
-                                    workers=registry.worker_ids, capacity=self.capacity)
+        self.admission = Admissions(self.limit, cfg.max_queue, workers=registry.worker_ids,
+                                    capacity=self.capacity)
 
     def capacity(self, model: str) -> Capacity | None:
         """The model's ready workers: their measured step costs and seats."""

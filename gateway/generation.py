@@ -235,6 +235,10 @@ class Generation:
         """Idempotent: stop the work at the worker if it may still run, free the slot."""
         if self.handle is not None:
             if self._live and not all(c.worker_done for c in self.choices):
+                if any(c.finish_reason is None for c in self.choices):
+                    # Its client left before its end (a stop string or a deadline is an end):
+                    # its release weighs what ran of what it asked for.
+                    self.slot.ran = self.longest_choice() / max(1, self.params.max_tokens)
                 await self.client.cancel(self.handle)
             else:
                 self.client.release(self.handle)

@@ -121,3 +121,21 @@ def test_releases_of_requests_a_worker_ran_feed_the_estimate() -> None:
         assert len(adm.estimator._events["w1"]) == 1
 
     asyncio.run(body())
+
+
+def test_a_release_weighs_what_ran_and_nothing_ran_teaches_nothing() -> None:
+    """Issue 42: streams closed after their first token taught a drain rate of 2.78/s where
+    the worker drained 0.40/s. A release counts by the share of its work that ran."""
+    clock = FakeClock()
+    est = DrainEstimator(window_s=30, clock=clock)
+    first = clock.now + 2.5
+    fake_worker(est, clock, "w1", rate=0.4, seconds=10, held_s=5.0)  # 4 full releases
+    honest = est.rate(["w1"])
+    for _ in range(24):  # a burst of streams closed after 1 token of 256: 0.1 s each
+        clock.now += 0.1
+        est.record("w1", 0.1, ran=1 / 256)
+        est.record("w1", 0.1, ran=0.0)  # (closed before any token: not counted at all)
+    # Unweighted: 52 releases over 9.9 s, 5.3/s. Weighted: 4.09 releases; only time passed.
+    assert est.rate(["w1"]) == pytest.approx((4 + 24 / 256) / (clock.now - first))
+    assert est.rate(["w1"]) < honest
+    assert est.service_s() > 4.0  # their short holds barely move the hold time either
