@@ -9,7 +9,7 @@ tokenizer as save_gguf_tokenizer writes it share this one folder and only read i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,23 @@ def cache_dir() -> Path:
     path = cache_dir_from_env()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def new_cache_dir(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Callable[[], Path]:
+    """Makes an empty KESTREL cache dir for one test, but for its kernels/ folder: a link to the
+    session cache's. Whatever a test finds there (Inductor's files, converted checkpoints) is
+    its own; our C++ kernels (~35 s to build on a 2-core host, keyed by their source, flags,
+    torch and this CPU: engine_worker/kernel_build.py) are built once per host, as in serving."""
+
+    def make() -> Path:
+        path = tmp_path_factory.mktemp("kestrel-cache")
+        (cache_dir / "kernels").mkdir(exist_ok=True)
+        (path / "kernels").symlink_to(cache_dir / "kernels", target_is_directory=True)
+        return path
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ context bucket edge mid-run. Inductor compiles each bucket here from an empty ca
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -40,8 +41,8 @@ def _runner(folder: Path, gguf_path: Path | None, compile_mode: str, cache: Path
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kestrel-cache")
+def cache(new_cache_dir: Callable[[], Path]) -> Path:
+    return new_cache_dir()  # Inductor's folder empty; our C++ kernels the host's (conftest.py)
 
 
 @pytest.fixture(scope="module", params=["float32", "gguf-q4_1"])
@@ -184,7 +185,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> 
 
 
 def test_compiled_decode_runs_a_registered_custom_attention_op(
-    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dir: Path, new_cache_dir: Callable[[], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Attention's decode calling a registered custom op (with a fake implementation) compiles
     into the graph as an extern call, and reads the K/V the same step wrote."""
@@ -198,8 +199,9 @@ def test_compiled_decode_runs_a_registered_custom_attention_op(
         return out.reshape(b, h, d)
 
     monkeypatch.setattr(Attention, "_decode_grouped", grouped)
-    eager = _runner(tiny_dir, None, "off", tmp_path)
-    compiled = _runner(tiny_dir, None, "decode", tmp_path)
+    cache = new_cache_dir()
+    eager = _runner(tiny_dir, None, "off", cache)
+    compiled = _runner(tiny_dir, None, "decode", cache)
     prompts, tables = [[5, 6, 7], [8, 9, 10, 11, 12]], [[1, 2], [3, 4]]
     for r in (eager, compiled):
         r.execute([StepItem(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
