@@ -29,7 +29,7 @@ from engine_worker.config import WorkerConfig
 from engine_worker.grammar_builds import GrammarBuilds
 from engine_worker.naming import served_names
 from protocol import messages as m
-from protocol.codec import tokenizer_digest
+from protocol.codec import hello_over_limit, tokenizer_digest
 from protocol.transport import is_loopback, load_public_key, load_secret_key, new_worker_id
 
 log = logging.getLogger("kestrel.worker")
@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                     prefill_share=cfg.step_prefill_share, step_floor_s=cfg.step_floor_ms / 1e3)
     engine.probe()  # the first requests are sized and admitted by this host's measurement
     hello = build_hello(cfg, runner, checkpoint, engine.costs.report())
+    too_big = hello_over_limit(hello)
+    if too_big is not None:  # it would be dropped unread, and we would wait for a Welcome
+        log.error("model refused: %s", too_big)
+        return 2
     log.info("model loaded", extra={"fields": {
         "model": hello.model_id, "seconds": round(time.monotonic() - started, 2),
         "kv_capacity_tokens": hello.kv_capacity_tokens, "max_model_len": hello.max_model_len,

@@ -43,6 +43,7 @@ class Membership:
         # (who, reason) -> (when last logged, refusals since): a peer retrying its Hello every
         # second must not fill the log
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
+        self._said_unjoined = -3600.0  # when a closed connection that was no worker's was logged
 
     def start_hello(self, identity: bytes, body: list[bytes]) -> None:
         if identity in self.hellos or len(self.hellos) >= MAX_PENDING_HELLOS:
@@ -109,12 +110,21 @@ class Membership:
             # The event does not say which peer. With ROUTER_MANDATORY a send to a peer whose
             # connection is gone fails at once, so probe each worker with a harmless frame (a
             # repeated Welcome). Probe twice: the socket may take a moment to retire the pipe.
+            lost = 0
             for _ in range(2):
                 for worker in [w for w in self.registry.workers.values() if w.ready]:
                     probe = m.Welcome(m.PROTOCOL_VERSION, True)
                     if not await self.link.send(worker.identity, probe):
                         self.on_lost(worker, "its connection closed")
+                        lost += 1
                 await asyncio.sleep(0.1)
+            now = time.monotonic()
+            if not lost and now - self._said_unjoined > 60:  # at most once a minute
+                self._said_unjoined = now
+                log.info("a connection to the engine link closed that was no worker's: a peer "
+                         "that went before its Hello was answered, or one whose frame was over "
+                         "the link's %d MiB limit (libzmq closes those unread; a worker whose "
+                         "Hello is too big says so in its own log)", codec.MAX_FRAME_BYTES >> 20)
 
     async def liveness_loop(self) -> None:
         interval = self.heartbeat_timeout_s / 10  # detected within 1.1x the timeout

@@ -50,6 +50,19 @@ MAX_ARRAY_LEN = 1 << 20  # longest list (a Generate's prompt token ids)
 MAX_MAP_LEN = 64  # our maps are structs with a handful of fields
 
 
+def hello_over_limit(hello: m.Hello) -> str | None:
+    """Why this Hello cannot cross the link (a frame over MAX_FRAME_BYTES: the gateway's socket
+    closes the connection before reading it, and neither side would hear of it), or None."""
+    size = sum(len(frame) for frame in encode(hello))
+    if size <= MAX_FRAME_BYTES:
+        return None
+    info, mib = hello.tokenizer, 1024 * 1024
+    return (f"the Hello is {size / mib:.1f} MiB, over the engine link's frame limit of "
+            f"{MAX_FRAME_BYTES // mib} MiB (its tokenizer JSON is "
+            f"{len(info.tokenizer_json.encode()) / mib:.1f} MiB, its chat template "
+            f"{len((info.chat_template or '').encode()) / mib:.1f} MiB): no gateway can take it")
+
+
 class DecodeError(ValueError):
     """A frame that is not a valid message. Callers log it or answer ProtocolError."""
 
