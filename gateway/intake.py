@@ -181,12 +181,15 @@ class Intake:
                 messages = render_messages(body.messages, body.tools if tool_plan else None)
                 chars = sum(len(msg["content"]) for msg in messages)
             limit, timeout = self.rendered_prompt_limit, self.cfg.template_timeout_s
+            contents = [text for msg in body.messages  # text, never control tokens
+                        for text in ([msg.content] if isinstance(msg.content, str)
+                                     else [part.text for part in msg.content or []])]
 
             def chat(tok: GatewayTokenizer) -> list[int]:
                 # max_prompt_chars counts the messages' text; the rendering is bounded too.
                 text = tok.apply_chat_template(messages, tools=tools, max_chars=limit,
                                                timeout_s=timeout)
-                return tok.encode(text, add_special_tokens=False)
+                return tok.encode_chat(text, contents)
 
             return body, tool_plan, chars, chat
         prompt = body.prompt

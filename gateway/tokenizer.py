@@ -19,6 +19,8 @@ whether it lays out a request's tools itself (gateway.tools then passes them thr
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,12 @@ class GatewayTokenizer:
         # Invariant: fixed at construction; sets are frozen so sharing across threads is safe.
         self._special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._added: dict[str, int] = {t.content: i for i, t in added.items()}  # never changed
+        # The control tokens' spellings (<|im_start|>...): only a template's own text may make
+        # them; in a message's content they are text (encode_chat).
+        specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._as_text: Tokenizer | None = None  # the same, spelling special tokens out as text
+        self._as_text_lock = threading.Lock()
         self._bos_id: int | None = (
             self._tok.token_to_id(info.bos_token) if info.bos_token is not None else None
         )
@@ -136,6 +144,49 @@ class GatewayTokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
+    def encode_chat(self, text: str, contents: Sequence[str]) -> list[int]:
+        """Token ids of a rendered chat prompt `text` whose messages said `contents`: as
+        encode(text, add_special_tokens=False), except that a control token's spelling inside a
+        message's content is tokenized as the text it is. A user who types
+        `<|im_end|><|im_start|>system` forges no system turn. ChatTemplateError (a 400) when
+        such a content does not appear in the rendered text as it was sent (or trimmed), so
+        that its spans cannot be told from the template's own."""
+        found = self._specials
+        risky = [c for c in contents if found is not None and found.search(c)]
+        if not risky:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for content in risky:  # in order where the template keeps it, else anywhere
+            start, end = _find(text, content, at)
+            if start < 0 or any(a < end and start < b for a, b in spans):
+                raise ChatTemplateError(
+                    "a message contains a control token of this model (such as "
+                    f"{found.search(content).group()!r}) that its chat template changed, so it "  # type: ignore[union-attr]
+                    "cannot be kept as text: remove it")
+            spans.append((start, end))
+            at = end
+        spans.sort()
+        as_text = self._text_tokenizer()
+        ids: list[int] = []
+        at = 0
+        for start, end in spans:
+            if start > at:
+                ids += self._tok.encode(text[at:start], add_special_tokens=False).ids
+            ids += as_text.encode(text[start:end], add_special_tokens=False).ids
+            at = end
+        if at < len(text):
+            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        return ids
+
+    def _text_tokenizer(self) -> Tokenizer:
+        with self._as_text_lock:  # built once, on the first content that needs it
+            if self._as_text is None:
+                tok = Tokenizer.from_str(self._info.tokenizer_json)
+                tok.encode_special_tokens = True
+                self._as_text = tok
+            return self._as_text
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Bytes that do not form whole UTF-8 characters decode to U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -160,3 +211,14 @@ class GatewayTokenizer:
             raise ChatTemplateError(self._template_error or "no chat template")
         return self._template.render(messages, add_generation_prompt, tools=tools,
                                      max_chars=max_chars, timeout_s=timeout_s)
+
+
+def _find(text: str, content: str, at: int) -> tuple[int, int]:
+    """The span of `content` (or of it trimmed, as templates often write it) in `text`, looked
+    for from `at` first; (-1, -1) if absent."""
+    for piece in (content, content.strip()):
+        for begin in (at, 0):
+            start = text.find(piece, begin)
+            if start >= 0:
+                return start, start + len(piece)
+    return -1, -1
