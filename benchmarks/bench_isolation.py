@@ -8,13 +8,14 @@ connection per request, chunked answers decoded by hand: no client library's cos
 figures). "loop lag" is the gateway's own kestrel_event_loop_lag_seconds over the phase.
 
 Phases, --seconds each after --warmup s of load: idle, then each load of isolation_loads.py
-alone (evil template worker, grammar flood, 12 MB Hellos, never-reading streams, slowloris), in a
-process of its own stopped at the phase's end. Last, SIGTERM to the gateway while never-reading
+alone (evil template worker, grammar flood, 12 MB Hellos, never-reading streams, slowloris, a
+rogue worker's frame flood and empty frames, template arithmetic), in a process of its own
+stopped at the phase's end. Last, SIGTERM to the gateway while never-reading
 and slow clients and the calm streams run: seconds to its exit. Goals: p99 at most 2x idle's,
 exit within drain timeout + 5 s. Run from the repository root:
 
     python benchmarks/bench_isolation.py [--seconds 15] [--model tiny|smollm2|DIR]
-        [--phases idle,evil,grammar,hello,noread,slow,sigterm] [--json PATH]
+        [--phases idle,evil,grammar,hello,noread,slow,flood,empty,arith,sigterm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from benchmarks.isolation_loads import HOST, http_request, request_bytes  # noqa
 from benchmarks.overload_client import ms, pct, rss_mib  # noqa: E402
 from tests.procs import GatewayProc, Proc, WorkerProc  # noqa: E402
 
-PHASES = ("idle", "evil", "grammar", "hello", "noread", "slow", "sigterm")
+PHASES = ("idle", "evil", "grammar", "hello", "noread", "slow", "flood", "empty", "arith",
+          "sigterm")
 
 
 def cpu_model() -> str:

@@ -19,6 +19,13 @@ the measuring client's event loop). Run until SIGTERM, then print one JSON line 
     slow     --count connections, half sending the headers a byte at a time, half the headers at
              once and the body a byte at a time, one byte every --byte-s; each reopened as the
              server ends it
+    flood    a peer joins as model "rogue" and sends StepOutputs as fast as the link takes them
+             (600 rows each, ~60 KB, for request ids that are not its own), with heartbeats
+    empty    a peer joins as model "rogue" and sends StepOutputs with no rows as fast as the link
+             takes them; dropped for it, it says Hello again and goes on
+    arith    a peer joins as model "arith" whose chat template does big arithmetic when a
+             message asks (10 ** 3.3 million, a 1.2 GB string) and holds a constant
+             10 ** 12000000; 3 clients keep chats for it in flight
 
 HTTP is raw asyncio (http_request): one connection per request, Connection: close.
 """
@@ -42,7 +49,11 @@ from benchmarks.overload_client import never_reading  # noqa: E402
 from protocol import codec  # noqa: E402
 from protocol import messages as m  # noqa: E402
 from tests.e2e.link_peers import FakeWorker, tiny_hello  # noqa: E402
-from tests.e2e.test_gateway_isolation import SILENT_LOOPS, deep_schema  # noqa: E402
+from tests.e2e.test_gateway_isolation import (  # noqa: E402
+    ARITHMETIC,
+    SILENT_LOOPS,
+    deep_schema,
+)
 
 HOST = "127.0.0.1"
 
@@ -255,7 +266,67 @@ async def slow(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> N
     await asyncio.gather(*(one(k) for k in range(a.count)))
 
 
-LOADS = {"evil": evil, "grammar": grammar, "hello": hello, "noread": noread, "slow": slow}
+def rogue_peer(a: argparse.Namespace, frame: object, counts: Counter,
+               stop: asyncio.Event) -> None:
+    """A peer of model "rogue" sending `frame` as fast as the socket takes it, heartbeats
+    between bursts, a new Hello whenever the gateway forgets it (a Reset). Runs in a thread."""
+    import zmq
+
+    peer = FakeWorker(a.engine)
+    hello = tiny_hello(a.model_dir, model_id="rogue")
+    try:
+        while not stop.is_set():
+            if peer.hello(hello, timeout_s=2.0) is None:
+                counts["no_welcome"] += 1
+                continue
+            counts["welcome"] += 1
+            beat = 0.0
+            while not stop.is_set():
+                if time.monotonic() - beat > 0.2:
+                    peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
+                    beat = time.monotonic()
+                if peer.sock.poll(0, zmq.POLLIN) and isinstance(peer.recv(0), m.Reset):
+                    counts["reset"] += 1
+                    break  # forgotten (dropped): say Hello again
+                for _ in range(64):
+                    counts["frames"] += peer.send(frame)
+    finally:
+        peer.close()
+
+
+async def flood(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
+    rows = [m.TokenOutput(f"not-yours-{i}", 0, [7] * 16) for i in range(600)]
+    await asyncio.to_thread(rogue_peer, a, m.StepOutputs(rows), counts, stop)
+
+
+async def empty(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
+    await asyncio.to_thread(rogue_peer, a, m.StepOutputs([]), counts, stop)
+
+
+async def arith(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
+    peer = FakeWorker(a.engine)
+    info = tiny_hello(a.model_dir).tokenizer
+    template = ARITHMETIC.replace("833334", "1100000")  # 10 ** 3.3 M for "pow"
+    hello = tiny_hello(a.model_dir, model_id="arith",
+                       tokenizer=dataclasses.replace(info, chat_template=template))
+    try:
+        welcome = await asyncio.to_thread(peer.hello, hello)
+        counts["welcome" if welcome is not None and welcome.accepted else "no_welcome"] += 1
+
+        async def beat() -> None:
+            while not stop.is_set():
+                peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
+                await asyncio.sleep(0.2)
+
+        kinds = ["pow", "mul", "other"]
+        await asyncio.gather(beat(), *(keep_sending(
+            counts, stop, a.port, lambda _i, k=k: chat_body("arith", k)) for k in kinds))
+    finally:
+        peer.close()
+
+
+LOADS = {"evil": evil, "grammar": grammar, "hello": hello, "noread": noread, "slow": slow,
+         "flood": flood, "empty": empty, "arith": arith}
 
 
 async def main_async(a: argparse.Namespace) -> Counter:

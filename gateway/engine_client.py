@@ -196,6 +196,15 @@ class EngineClient:
         if kind is m.Hello:
             self.membership.start_hello(identity, body)  # a repeated Hello: off the loop too
             return
+        if kind is m.StepOutputs:
+            # A step has a row per sequence it ran for us: those in flight, plus as many again
+            # for requests cancelled while its step ran. More is no step, and it is refused
+            # before decoding (a frame of 2 MiB of rows held the loop for ~0.1 s).
+            rows, most = codec.step_rows(body) or 0, self._sequences(worker) + worker.capacity
+            if rows > most:
+                self._refuse(worker, f"a step's frame of {rows} rows where at most {most} "
+                                     "sequences could have run")
+                return
         try:
             msg = codec.decode(body)  # small: codec limits non-Hello payloads to 64 KiB
         except codec.DecodeError as exc:
@@ -233,6 +242,7 @@ class EngineClient:
         if len(worker.faults) >= MAX_WORKER_FAULTS:
             self._drop_worker(worker, f"sent {len(worker.faults)} frames the gateway refuses "
                                       f"in {FAULT_WINDOW_S:.0f} s")
+            self.membership.ban(worker.identity, FAULT_WINDOW_S)
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

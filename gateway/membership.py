@@ -44,10 +44,26 @@ class Membership:
         # second must not fill the log
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         self._said_unjoined = -3600.0  # when a closed connection that was no worker's was logged
+        # Peers dropped for frames no honest worker sends: identity -> until when its Hellos
+        # are refused unread (a dropped rogue that says Hello again costs a tokenizer each time)
+        self._banned: dict[bytes, float] = {}
+
+    def ban(self, identity: bytes, seconds: float) -> None:
+        now = time.monotonic()
+        if len(self._banned) >= 4096:  # bounded: forget bans that ended
+            self._banned = {k: t for k, t in self._banned.items() if t > now}
+        self._banned[identity] = now + seconds
 
     def start_hello(self, identity: bytes, body: list[bytes]) -> None:
         if identity in self.hellos or len(self.hellos) >= MAX_PENDING_HELLOS:
             return  # one at a time per peer; the worker says Hello again if unanswered
+        if self._banned.get(identity, 0.0) > time.monotonic():
+            task = asyncio.create_task(self._refuse(
+                identity, "(dropped)", "dropped for sending frames no honest worker sends; "
+                "its Hellos are refused for a while"), name="engine-hello")
+            self.hellos[identity] = task
+            task.add_done_callback(lambda _t: self.hellos.pop(identity, None))
+            return
         task = asyncio.create_task(self.on_hello(identity, body), name="engine-hello")
         self.hellos[identity] = task
         task.add_done_callback(lambda _t: self.hellos.pop(identity, None))

@@ -83,6 +83,22 @@ def peek_type(frames: list[bytes]) -> type | None:
     return CODE_TYPES.get(frames[0][0])
 
 
+def step_rows(frames: list[bytes]) -> int | None:
+    """How many rows a StepOutputs frame says it holds, from its msgpack array header alone
+    (no decoding), or None when the payload does not start with one. For refusing a frame with
+    more rows than its sender runs sequences before paying to decode it."""
+    if len(frames) != 2 or not frames[1]:
+        return None
+    payload = frames[1]
+    head = payload[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F
+    width = {0xDC: 2, 0xDD: 4}.get(head)
+    if width is None or len(payload) < 1 + width:
+        return None
+    return int.from_bytes(payload[1:1 + width], "big")
+
+
 def decode(frames: list[bytes]) -> Any:
     if len(frames) != 2:
         raise DecodeError(f"expected 2 frames [type, payload], got {len(frames)}")

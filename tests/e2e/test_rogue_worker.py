@@ -115,6 +115,7 @@ def test_bad_frames_end_their_request_with_a_502_and_the_worker_is_dropped(
     # Three bad frames from three peers: each counted against its own peer, none dropped yet.
     # One peer that sends three is dropped, and the other model never noticed.
     rogue = Rogue(gw, tiny_model_dir, WRONG["outside the vocabulary"][0])
+    identity = rogue.peer.sock.getsockopt(zmq.IDENTITY)
     try:
         codes = [complete(gw, "rogue").status_code for _ in range(3)]
         assert codes == [502, 502, 502]
@@ -125,6 +126,13 @@ def test_bad_frames_end_their_request_with_a_502_and_the_worker_is_dropped(
         assert complete(gw, "rogue").status_code in (404, 503)  # no worker serves it now
     finally:
         rogue.close()
+    # Its Hellos are refused unread for a while (each would cost the gateway a tokenizer).
+    again = FakeWorker(gw.engine_address, identity=identity)
+    try:
+        welcome = again.hello(rogue.hello)
+    finally:
+        again.close()
+    assert welcome is not None and not welcome.accepted and "dropped" in welcome.reason
     assert complete(gw, tiny_model_dir.name).status_code == 200
 
 
@@ -135,10 +143,10 @@ def test_a_flood_of_frames_leaves_the_other_model_and_liveness_served(
     idle = [complete(gw, tiny_model_dir.name) for _ in range(3)]
     assert all(r.status_code == 200 for r in idle)
     before = rss_mb(gw.popen.pid)
-    # Rows for requests that are not the peer's (ignored, so never a fault that would get it
-    # dropped): a worker of two gateways sends such frames to each. ~60 KB each, as fast as
-    # the link takes them.
-    rows = [m.TokenOutput(f"not-yours-{i}", 0, [7] * 16) for i in range(600)]
+    # Frames that pass every check, so the peer is never dropped for them: as many rows as it
+    # runs sequences (8), for requests that are not ours (as a request cancelled during a step
+    # would be), as fast as the link takes them.
+    rows = [m.TokenOutput(f"not-yours-{i}", 0, [7] * 16) for i in range(8)]
     rogue = Rogue(gw, tiny_model_dir, lambda g: [], flood=m.StepOutputs(rows))
     try:
         time.sleep(1.0)  # the flood is on

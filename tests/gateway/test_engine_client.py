@@ -195,3 +195,29 @@ def test_bad_frames_older_than_the_window_do_not_count_towards_a_drop() -> None:
         client.link.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("rows", [0, 5, 15, 16, 300, 70_000])
+def test_step_rows_reads_the_row_count_without_decoding(rows: int) -> None:
+    frames = codec.encode(m.StepOutputs([m.TokenOutput("r", 0, [1])] * rows))
+    assert codec.step_rows(frames) == rows == len(codec.decode(frames).outputs)
+
+
+def test_a_step_with_more_rows_than_could_have_run_is_refused_before_decoding(
+        monkeypatch: Any) -> None:
+    async def run() -> None:
+        client, [worker], _ = client_with_workers(1)  # max_num_seqs 8
+        handle = await client.submit("tiny", gen(), deadline=None)  # 1 sequence in flight
+        decoded: list[Any] = []
+        real_decode = codec.decode
+        monkeypatch.setattr(codec, "decode", lambda body: decoded.append(1) or real_decode(body))
+        ok = codec.encode(m.StepOutputs([m.TokenOutput("r1", 0, [5])]
+                                        + [m.TokenOutput(f"gone-{i}", 0, [5]) for i in range(8)]))
+        await client._on_frames(worker.identity, ok)  # 9 rows: 1 ours + 8 cancelled, at most
+        assert decoded == [1] and handle.events.get_nowait().token_ids == [5]
+        big = codec.encode(m.StepOutputs([m.TokenOutput(f"x{i}", 0, [5]) for i in range(10)]))
+        await client._on_frames(worker.identity, big)
+        assert decoded == [1] and len(worker.faults) == 1  # refused unread, counted
+        client.link.close()
+
+    asyncio.run(run())
