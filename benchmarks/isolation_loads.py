@@ -19,8 +19,9 @@ the measuring client's event loop). Run until SIGTERM, then print one JSON line 
     slow     --count connections, half sending the headers a byte at a time, half the headers at
              once and the body a byte at a time, one byte every --byte-s; each reopened as the
              server ends it
-    flood    a peer joins as model "rogue" and sends StepOutputs as fast as the link takes them
-             (600 rows each, ~60 KB, for request ids that are not its own), with heartbeats
+    flood    a peer joins as model "rogue" and sends StepOutputs as fast as the link takes them,
+             each within every check (8 rows, its seats, of 16 tokens for request ids that are
+             not the gateway's, as rows of cancelled requests are), with heartbeats
     empty    a peer joins as model "rogue" and sends StepOutputs with no rows as fast as the link
              takes them; dropped for it, it says Hello again and goes on
     arith    a peer joins as model "arith" whose chat template does big arithmetic when a
@@ -295,7 +296,7 @@ def rogue_peer(a: argparse.Namespace, frame: object, counts: Counter,
 
 
 async def flood(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
-    rows = [m.TokenOutput(f"not-yours-{i}", 0, [7] * 16) for i in range(600)]
+    rows = [m.TokenOutput(f"not-yours-{i}", 0, [7] * 16) for i in range(8)]
     await asyncio.to_thread(rogue_peer, a, m.StepOutputs(rows), counts, stop)
 
 
