@@ -60,6 +60,7 @@ class Engine:
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.eos_token_ids = list(runner.config.eos_token_ids)
+        self.errors: list[m.RequestError] = []  # ended by the engine itself (pop_errors)
         # Measured step costs size each step's prompt rows (0: the token budget alone); they are
         # measured, and reported to the gateway, either way.
         self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.75, step_floor_s)
@@ -169,11 +170,44 @@ class Engine:
             for c in chunks
         ])
         emitted, logprobs = self._sample(chunks, logits)
+        broken = self._non_finite(chunks, logits, emitted)
         sched.update(chunks, emitted)
         decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
         prefill_rows = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         self.costs.observe(decode_rows, prefill_rows, time.perf_counter() - started)
-        return self._outputs(chunks, logprobs)
+        outputs = self._outputs(chunks, logprobs)
+        if broken:  # their frames carry no token worth sending: an error each, and they end
+            for rid in broken:
+                self.abort(rid)
+                self.errors.append(m.RequestError(
+                    rid, "the model computed a non-finite logit (NaN or inf) for this request: "
+                    "its weights or its numerics are broken", "model_numerics"))
+            outputs = [o for o in outputs if o.request_id not in broken]
+        return outputs
+
+    def pop_errors(self) -> list[m.RequestError]:
+        """Requests the engine ended by itself since the last call, each with its error."""
+        errors, self.errors = self.errors, []
+        return errors
+
+    @staticmethod
+    def _non_finite(chunks: list[ScheduledChunk], logits: torch.Tensor,
+                    emitted: list[list[int] | None]) -> set[str]:
+        """Request ids whose sampled token's logit is NaN or inf: a model with NaN weights (or
+        an overflow) samples garbage, and its logprobs cannot be written as JSON. One gather
+        of a value per row, not a pass over the vocabulary."""
+        rows, tokens, owners, row = [], [], [], 0
+        for c, toks in zip(chunks, emitted, strict=True):
+            if toks:
+                rows.append(row)
+                tokens.append(toks[0])
+                owners.append(c.seq.request_id)
+            row += 1 + len(c.draft_token_ids)
+        if not rows:
+            return set()
+        picked = logits[torch.tensor(rows), torch.tensor(tokens)]
+        finite = torch.isfinite(picked).tolist()
+        return {rid for rid, ok in zip(owners, finite, strict=True) if not ok}
 
     @torch.inference_mode()
     def probe(self, decode_rows: tuple[int, ...] | None = None,

@@ -70,6 +70,8 @@ class WorkerLoop:
                 self._send_all(self.engine.abort(rid, "timeout"))
             # The engine stamps a request's first frame with its time since first scheduled.
             self._send_all(self.engine.step())
+            for error in self.engine.pop_errors():  # e.g. a model that computed NaN
+                self.out.send(error)
             busy = self.engine.has_work
             if self.was_busy and not busy:  # just went idle: nothing may be left held
                 self.engine.check_idle()

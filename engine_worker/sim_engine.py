@@ -5,10 +5,10 @@
     token per sequence; step time = step_base + prefill_token x uncached + decode_seq x decoding
 
 Same surface as engine_worker.engine.Engine as WorkerLoop uses it (add, abort, abort_choice,
-expired, step, stats, check_idle, has_work, requests[rid].seqs[i].status), so the real link, loop
-and protocol run around it. Its prefix cache is an LRU of chained block digests sized by
-kv_capacity_tokens: hit rates behave as a real worker's would when the router sends related
-prompts to it. No torch here.
+expired, step, pop_errors, stats, check_idle, has_work, requests[rid].seqs[i].status), so the
+real link, loop and protocol run around it. Its prefix cache is an LRU of chained block
+digests sized by kv_capacity_tokens: hit rates behave as a real worker's would when the router
+sends related prompts to it. No torch here.
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ class SimEngine:
                        prefix_cache_queries=self.prefix_cache_queries,
                        generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
                        step_costs=self.costs.report())
+
+    def pop_errors(self) -> list[m.RequestError]:
+        return []  # it computes nothing, so nothing can come out NaN
 
     def step(self) -> list[m.TokenOutput]:
         running = [r for r in self.requests.values() if r.prefilled]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -322,6 +323,10 @@ def _refusal(handle: RequestHandle, out: m.TokenOutput) -> str | None:
         return f"a token id outside the model's vocabulary of {vocab}"
     if out.logprobs is not None and len(out.logprobs) != len(out.token_ids):
         return f"{len(out.logprobs)} logprob entries for {len(out.token_ids)} tokens"
+    if out.logprobs is not None and not all(
+            math.isfinite(lp) and all(math.isfinite(t[1]) for t in top)
+            for _, lp, top in out.logprobs):
+        return "a logprob that is NaN or infinite (JSON cannot carry it)"
     handle.tokens[i] = total
     handle.ended[i] = out.finish_reason is not None
     return None

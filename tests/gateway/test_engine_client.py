@@ -133,6 +133,9 @@ BAD_FRAMES = {
     "a choice the request does not have": m.TokenOutput("r1", 1, [5]),
     "a frame with no token and no finish": m.TokenOutput("r1", 0, []),
     "logprobs that do not match the tokens": m.TokenOutput("r1", 0, [5], logprobs=[]),
+    "a NaN logprob": m.TokenOutput("r1", 0, [5], logprobs=[(5, float("nan"), [])]),
+    "an infinite top logprob": m.TokenOutput("r1", 0, [5],
+                                             logprobs=[(5, -1.0, [(6, float("-inf"))])]),
 }
 
 
