@@ -181,12 +181,21 @@ def check_shapes(tensors: dict[str, Any], cfg: ModelConfig) -> None:
     """Refuse a file whose tensors do not fit its own architecture and vocabulary (an embedding
     with fewer rows than the vocabulary would load, then end the worker at the first request
     whose token it lacks): ModelRefused naming the first tensor that is wrong or missing."""
+    # The architecture's own biases are not optional: a Qwen2 file without its q/k/v biases
+    # loads and serves garbage.
+    required = {"attn_q", "attn_k", "attn_v"} if cfg.attention_bias else set()
+    if cfg.o_proj_bias:
+        required.add("attn_output")
     for name, want in expected_shapes(cfg).items():
         t = tensors.get(name)
         if t is None:
-            if name.endswith(".bias") or name == "output.weight":
-                continue  # optional: a model without biases, a head tied to the embedding
-            raise ModelRefused(f"the GGUF file has no tensor {name} (expected shape {want})")
+            optional = name == "output.weight" or (
+                name.endswith(".bias") and name.split(".")[-2] not in required)
+            if optional:
+                continue  # a head tied to the embedding; a bias the architecture does not need
+            raise ModelRefused(f"the GGUF file has no tensor {name} (expected shape {want}"
+                               + (f"; {cfg.model_type} has q/k/v biases)" if
+                                  name.endswith(".bias") else ")"))
         got = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         if got != want:
             raise ModelRefused(f"the GGUF file's {name} has shape {got}, but its metadata "

@@ -47,3 +47,18 @@ def test_an_embedding_short_of_the_vocabulary_or_a_head_beyond_it_is_refused(
     with pytest.raises(ModelRefused, match=rf"{gguf_name} has shape \({cfg.vocab_size + rows}, "
                                            rf"{cfg.hidden_size}\).*needs \({cfg.vocab_size}, "):
         load_gguf_model(path, cfg, "cpu")
+
+
+def test_a_qwen2_file_without_its_qkv_biases_is_refused_and_with_them_loads(
+        tiny_dir: Path, tmp_path: Path) -> None:
+    """Issue 42: a Qwen2 file without its q/k/v biases loaded and served garbage."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_config(tiny_dir), model_type="qwen2", attention_bias=True)
+    bare = _write(tiny_dir, tmp_path / "bare.gguf", {})
+    with pytest.raises(ModelRefused, match=r"no tensor blk\.0\.attn_q\.bias .*q/k/v biases"):
+        load_gguf_model(bare, cfg, "cpu")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    biases = {f"model.layers.{i}.self_attn.{p}_proj.bias": np.zeros(n, np.float32)
+              for i in range(cfg.num_layers) for p, n in (("q", q), ("k", kv), ("v", kv))}
+    load_gguf_model(_write(tiny_dir, tmp_path / "biased.gguf", biases), cfg, "cpu")
