@@ -3,9 +3,10 @@
 
     [magic, version, n_tensors, n_kv] [n_kv metadata entries] [n_tensors tensor infos] | data
 
-`gguf_string` reads one metadata string; `header_digest` hashes everything before the data (the
-metadata and the tensor table), the part a conversion reads: the converted-model cache is keyed
-by it, so an edit of a token id or a template is seen even when the file keeps its size.
+`gguf_string` reads one metadata string, `gguf_array_len` one array's length; `header_digest`
+hashes everything before the data (the metadata and the tensor table), the part a conversion
+reads: the converted-model cache is keyed by it, so an edit of a token id or a template is seen
+even when the file keeps its size.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def gguf_string(path: Path, key: str) -> str | None:
                     raise ValueError(f"{path}: {key} is not a string (GGUF type {vtype})")
                 n = struct.unpack_from("<Q", buf, pos)[0]
                 return buf[pos + 8 : pos + 8 + n].decode("utf-8")
+    return None
+
+
+def gguf_array_len(path: Path, key: str) -> int | None:
+    """How many items one array of a GGUF file's metadata holds (its header alone), or None."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        want = key.encode()
+        for name, vtype, pos in _entries(path, buf):
+            if name == want:
+                if vtype != _ARRAY:
+                    raise ValueError(f"{path}: {key} is not an array (GGUF type {vtype})")
+                return int(struct.unpack_from("<IQ", buf, pos)[1])
     return None
 
 

@@ -34,13 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.gguf_header import header_digest
+from engine_worker.model.gguf_header import gguf_array_len, header_digest
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAMES = ("default", "smollm2")
 # Part of the converted folder's cache key: bump when what a folder holds changes
 # (2: the tokenizer keeps the file's pre-tokenizer, engine_worker/model/pretokenizer.py).
 CONVERT_VERSION = 2
+# The most tokens a GGUF's vocabulary may hold. The largest served today are ~262k (Gemma);
+# a file claiming 3,000,000 took over 150 s and 4.25 GB to convert before it was refused.
+MAX_VOCAB = 1 << 20
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -115,6 +118,12 @@ def _converted(gguf: Path, cache_dir: Path, weights: bool = True) -> Path:
     final = full if weights else full.with_name(full.name + "-meta")
     if (final / "config.json").is_file():
         return final
+    vocab = gguf_array_len(gguf, "tokenizer.ggml.tokens")
+    if vocab is not None and vocab > MAX_VOCAB:
+        from engine_worker.model.gguf_native import ModelRefused
+
+        raise ModelRefused(f"the GGUF file's vocabulary (tokenizer.ggml.tokens) has {vocab:,} "
+                           f"tokens, over the limit of {MAX_VOCAB:,}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from engine_worker.model.gguf_header import gguf_string, header_digest
+from engine_worker.model.gguf_header import gguf_array_len, gguf_string, header_digest
 from engine_worker.model.loader import _converted
 from tests.engine_worker.gguf_factory import finish
 
@@ -59,3 +59,24 @@ def test_the_converted_cache_of_an_edited_file_is_a_new_folder(tmp_path: Path,
     _write(path, 3, "{{ messages }}")
     second = _converted(path, tmp_path / "cache", weights=False)
     assert second != first and len(made) == 2
+
+
+def test_a_vocabulary_over_the_limit_is_refused_before_any_conversion(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Issue 42: a 3,000,000-token vocabulary was not ready in 150 s at 4.25 GB. The count is
+    read from the header's array length; the limit is lowered here so the file stays small."""
+    import pytest
+
+    from engine_worker.model import loader
+    from engine_worker.model.gguf_native import ModelRefused
+
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_token_list([f"t{i}" for i in range(5000)])
+    w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+    path = finish(w, tmp_path / "v.gguf")
+    assert gguf_array_len(path, "tokenizer.ggml.tokens") == 5000
+    assert gguf_array_len(path, "tokenizer.ggml.scores") is None
+    monkeypatch.setattr(loader, "MAX_VOCAB", 4999)
+    monkeypatch.setattr(loader, "convert_gguf", lambda *a, **k: pytest.fail("converted"))
+    with pytest.raises(ModelRefused, match=r"has 5,000 tokens, over the limit of 4,999"):
+        _converted(path, tmp_path / "cache", weights=False)
