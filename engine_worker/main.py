@@ -16,6 +16,7 @@ import gc
 import logging
 import queue
 import signal
+import struct
 import threading
 import time
 from collections import defaultdict
@@ -260,6 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(RunnerConfig.from_worker(cfg))
     except ModelRefused as exc:  # a file we will not serve: one line, no trace, exit 2
         log.error("model refused: %s", exc)
+        return 2
+    except (ValueError, KeyError, IndexError, OverflowError, struct.error,
+            UnicodeDecodeError) as exc:
+        if not str(cfg.model).lower().endswith(".gguf"):
+            raise  # our own code's error on a folder we converted: the trace is the report
+        # A GGUF file that does not parse is the file's fault: one line (the parser's words,
+        # which name the field or tensor where they can), the trace only at debug level.
+        log.debug("the GGUF file did not parse", exc_info=True)
+        log.error("model refused: the GGUF file did not parse: %s: %s", type(exc).__name__,
+                  " ".join(str(exc).split())[:500])
         return 2
     checkpoint = runner.runner_config.model_path
     from engine_worker.grammar import GrammarCompiler

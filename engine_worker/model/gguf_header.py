@@ -38,17 +38,31 @@ def _skip(buf: mmap.mmap, pos: int, vtype: int) -> int:
 
 def _entries(path: Path, buf: mmap.mmap):  # noqa: ANN202 (a generator of (name, type, offset))
     """Each metadata entry as (name bytes, value type, offset of its value)."""
+    if len(buf) < 24:
+        raise ValueError(f"{path}: {len(buf)} bytes, shorter than a GGUF header")
     magic, version, _tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or not 2 <= version < 256:  # v1 had 32-bit lengths; big-endian files
         raise ValueError(f"{path}: not a little-endian GGUF v2+ file")
+    if n_kv > len(buf) // 12:  # each entry takes at least 12 bytes
+        raise ValueError(f"{path}: the header claims {n_kv:,} metadata entries, more than its "
+                         f"{len(buf):,} bytes can hold")
     pos = 24
-    for _ in range(n_kv):
+    for i in range(n_kv):
         n = struct.unpack_from("<Q", buf, pos)[0]
+        if pos + 12 + n > len(buf):
+            raise ValueError(f"{path}: metadata entry {i} of {n_kv} has a name of {n:,} bytes, "
+                             "past the end of the file")
         name = buf[pos + 8 : pos + 8 + n]
         vtype = struct.unpack_from("<I", buf, pos + 8 + n)[0]
+        if vtype not in _SIZES and vtype not in (_STRING, _ARRAY):
+            raise ValueError(f"{path}: metadata entry {name.decode(errors='replace')!r} has an "
+                             f"unknown value type {vtype}")
         pos += 12 + n
         yield name, vtype, pos
         pos = _skip(buf, pos, vtype)
+        if pos > len(buf):
+            raise ValueError(f"{path}: metadata entry {name.decode(errors='replace')!r} runs "
+                             "past the end of the file")
 
 
 def gguf_string(path: Path, key: str) -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import httpx
+import pytest
 
 from engine_worker.model.loader import embedded_gguf_path
 from tests.engine_worker.gguf_factory import finish
@@ -61,3 +62,37 @@ def test_a_gguf_with_a_short_embedding_is_refused_in_one_line(cache_dir: Path) -
     msg = errors[0]["msg"]
     assert msg.startswith("model refused:") and "token_embd.weight" in msg
     assert "49152" in msg  # the vocabulary it is short of
+
+
+def _truncated(src: Path, out: Path) -> Path:
+    data = src.read_bytes()
+    out.write_bytes(data[: len(data) // 3])  # the header whole, the tensors cut
+    return out
+
+
+def _absurd_entry_count(src: Path, out: Path) -> Path:
+    with open(src, "rb") as f:
+        head = bytearray(f.read(1 << 20))
+        rest = f.read()
+    head[16:24] = (10**12).to_bytes(8, "little")  # n_kv
+    out.write_bytes(bytes(head) + rest)
+    return out
+
+
+@pytest.mark.parametrize("make, says", [(_truncated, "ValueError"),
+                                        (_absurd_entry_count, "1,000,000,000,000 metadata")],
+                         ids=["truncated", "absurd-entry-count"])
+def test_a_hostile_gguf_is_refused_in_one_line_without_a_traceback(
+        tmp_path: Path, make, says: str) -> None:  # noqa: ANN001
+    """Issue 42: hostile GGUFs failed closed but printed Python tracebacks."""
+    bad = make(embedded_gguf_path(), tmp_path / "hostile.gguf")
+    with WorkerProc(bad, "tcp://127.0.0.1:9", "--cache-dir", str(tmp_path / "cache")) as wk:
+        assert wk.popen is not None
+        assert wk.popen.wait(timeout=300) == 2
+        out = wk.output()
+    assert "Traceback" not in out, out[-3000:]
+    errors = [json.loads(line) for line in out.splitlines()
+              if line.startswith("{") and '"ERROR"' in line]
+    assert len(errors) == 1, out[-3000:]
+    assert errors[0]["msg"].startswith("model refused: the GGUF file did not parse"), errors
+    assert says in errors[0]["msg"], errors
