@@ -19,7 +19,16 @@
 # (uid 10001) is not the host user: the folder's mode is what keeps other host users out.
 set -euo pipefail
 dir="${1:?usage: make-secrets.sh DIR}"
-python="${PYTHON:-python3}"
+# Python with pyzmq: $PYTHON, else the project's own virtualenv (`make install` made it), else
+# python3 (which then needs pyzmq installed).
+here="$(cd "$(dirname "$0")/.." && pwd)"
+if [ -n "${PYTHON:-}" ]; then python="$PYTHON"
+elif [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"
+else python=python3; fi
+if ! "$python" -c 'import zmq' 2>/dev/null && ! command -v kestrel-keygen >/dev/null 2>&1; then
+  echo "make-secrets.sh: $python has no pyzmq; run 'make install' first or set PYTHON" >&2
+  exit 2
+fi
 umask 077
 mkdir -p "$dir/link/authorized"
 chmod 0700 "$dir"

@@ -140,7 +140,16 @@ def test_every_secret_used_is_defined_and_api_and_link_keys_are_secrets() -> Non
 
 def test_the_engine_link_port_is_not_published() -> None:
     ports = [str(p) for p in project()["services"]["gateway"]["ports"]]
-    assert ports == ["8000:8000"]
+    assert ports == ["${KESTREL_PORT:-8000}:8000"]  # the host's side overridable (issue 42)
+
+
+def test_every_published_port_can_be_moved_on_the_host() -> None:
+    published = {name: [str(p) for p in svc.get("ports", [])]
+                 for name, svc in project()["services"].items() if svc.get("ports")}
+    for name, ports in published.items():
+        for port in ports:
+            host, _, container = port.rpartition(":")
+            assert host.startswith("${") and host.endswith(f":-{container}}}"), (name, port)
 
 
 def test_the_settings_check_rejects_what_a_process_would_not_accept() -> None:
