@@ -27,6 +27,7 @@ from typing import Any
 from common.jsonlog import setup_logging
 from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
+from engine_worker.engine_surface import EngineSurface
 from engine_worker.grammar_builds import GrammarBuilds
 from engine_worker.naming import served_names
 from protocol import messages as m
@@ -39,7 +40,7 @@ log = logging.getLogger("kestrel.worker")
 class WorkerLoop:
     """Glue between the link (network) and the engine (tensors)."""
 
-    def __init__(self, cfg: WorkerConfig, engine: Any, link: Any,
+    def __init__(self, cfg: WorkerConfig, engine: EngineSurface, link: Any,
                  stop: threading.Event) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -56,7 +57,7 @@ class WorkerLoop:
         # One span per request when an OTLP endpoint is set (None: off, nothing imported).
         self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
                                           getattr(getattr(link, "hello", None), "worker_id", ""))
-        compiler = getattr(engine, "grammars", None)  # None: no structured output here
+        compiler = engine.grammars  # None: no structured output here
         self.builds = GrammarBuilds(compiler) if compiler is not None else None
 
     def run(self) -> int:

@@ -4,8 +4,7 @@
     prefills (cost per prompt token not found in its prefix cache), each later step decodes one
     token per sequence; step time = step_base + prefill_token x uncached + decode_seq x decoding
 
-Same surface as engine_worker.engine.Engine as WorkerLoop uses it (add, abort, abort_choice,
-expired, step, pop_errors, stats, check_idle, has_work, requests[rid].seqs[i].status), so the
+It meets engine_worker.engine_surface.EngineSurface, the engine as WorkerLoop drives it, so the
 real link, loop and protocol run around it. Its prefix cache is an LRU of chained block
 digests sized by kv_capacity_tokens: hit rates behave as a real worker's would when the router
 sends related prompts to it. No torch here.
@@ -16,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.block_hash import chain_hash, root_hash
 from engine_worker.sequence import SequenceStatus
@@ -62,6 +62,7 @@ class SimEngine:
         self.cost = cost
         self.num_blocks = max(1, kv_capacity_tokens // block_size)
         self.requests: dict[str, _Request] = {}
+        self.grammars = None  # no structured output: it samples nothing
         self._cache: OrderedDict[bytes, None] = OrderedDict()
         self._order = 0
         self.prefix_cache_hits = self.prefix_cache_queries = 0
@@ -76,7 +77,7 @@ class SimEngine:
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def add(self, gen: m.Generate) -> None:
+    def add(self, gen: m.Generate, matchers: list[Any] | None = None) -> None:
         if gen.request_id in self.requests:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
         if not gen.prompt_token_ids:

@@ -20,7 +20,10 @@ class Link:
         return None
 
 state = GatewayState(GatewayConfig())
-loop = WorkerLoop(WorkerConfig(), None, Link(), None)
+class Engine:
+    grammars = None
+
+loop = WorkerLoop(WorkerConfig(), Engine(), Link(), None)
 assert state.accounting.tracer is None and loop.tracer is None
 print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
 """
