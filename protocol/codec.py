@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import types
 import typing
 from typing import Any
@@ -136,16 +137,16 @@ def _to_plain(obj: Any) -> Any:
 
 
 # StepOutputs carries every sequence of a step, so it skips the generic field-by-field walk:
-# each TokenOutput is a positional row in field order, checked by _token_output.
+# each TokenOutput is a positional row in its dataclass's field order (the order is written
+# once, in protocol.messages), checked by _token_output.
 STEP_CODE = TYPE_CODES[m.StepOutputs]
-_OUT_FIELDS = [f.name for f in dataclasses.fields(m.TokenOutput)]
+_OUT_FIELDS = tuple(f.name for f in dataclasses.fields(m.TokenOutput))
+_OUT_ROW = operator.attrgetter(*_OUT_FIELDS)
 _FINISH = frozenset(typing.get_args(m.FinishReason))
 
 
-def _step_rows(msg: m.StepOutputs) -> list[list[Any]]:
-    return [[o.request_id, o.index, o.token_ids, o.finish_reason, o.prompt_tokens,
-             o.completion_tokens, o.logprobs, o.cached_tokens, o.since_scheduled_s]
-            for o in msg.outputs]
+def _step_rows(msg: m.StepOutputs) -> list[tuple[Any, ...]]:
+    return [_OUT_ROW(o) for o in msg.outputs]  # msgpack writes a tuple as an array
 
 
 def _build_step(data: Any) -> m.StepOutputs:
@@ -154,37 +155,56 @@ def _build_step(data: Any) -> m.StepOutputs:
     return m.StepOutputs([_token_output(row, i) for i, row in enumerate(data)])
 
 
-def _token_output(row: Any, i: int) -> m.TokenOutput:
-    # Rows may grow at the end within one version; a newer peer's extra fields are ignored.
-    if type(row) is not list or len(row) < 9:
-        raise DecodeError(f"StepOutputs[{i}]: expected a list of {len(_OUT_FIELDS)}")
-    rid, index, ids, finish, prompt, completion, logprobs, cached, since = row[:9]
-    if not (type(rid) is str and type(index) is int and type(prompt) is int
-            and type(completion) is int and type(cached) is int):
+def _checked_output(f: dict[str, Any], i: int) -> None:
+    """The checks of one decoded row's fields, by name (logprobs and the time converted in
+    place); DecodeError naming the row."""
+    if not (type(f["request_id"]) is str and type(f["index"]) is int
+            and type(f["prompt_tokens"]) is int and type(f["completion_tokens"]) is int
+            and type(f["cached_tokens"]) is int):
         raise DecodeError(f"StepOutputs[{i}]: request_id must be a string; index and counts "
                           "integers")
+    ids = f["token_ids"]
     if type(ids) is not list or not (len(ids) == 1 and type(ids[0]) is int
                                      or all(type(t) is int for t in ids)):
         raise DecodeError(f"StepOutputs[{i}].token_ids: expected a list of integers")
-    if finish is not None and finish not in _FINISH:
+    if f["finish_reason"] is not None and f["finish_reason"] not in _FINISH:
         raise DecodeError(f"StepOutputs[{i}].finish_reason: expected one of "
                           f"{', '.join(sorted(_FINISH))}")
-    if since is not None:
-        since = _check(float, since, f"StepOutputs[{i}].since_scheduled_s")
-    if logprobs is not None:
-        logprobs = _check(_hints(m.TokenOutput)["logprobs"], logprobs, f"StepOutputs[{i}].logprobs")
-    # A frozen dataclass's __init__ sets each field through object.__setattr__ (most of this
-    # function's time); its __dict__ in one go makes the same object.
-    out = _new_output(m.TokenOutput)
-    _set(out, "__dict__", {"request_id": rid, "index": index, "token_ids": ids,
-                           "finish_reason": finish, "prompt_tokens": prompt,
-                           "completion_tokens": completion, "logprobs": logprobs,
-                           "cached_tokens": cached, "since_scheduled_s": since})
-    return out
+    if f["since_scheduled_s"] is not None:
+        f["since_scheduled_s"] = _check(float, f["since_scheduled_s"],
+                                        f"StepOutputs[{i}].since_scheduled_s")
+    if f["logprobs"] is not None:
+        f["logprobs"] = _check(_hints(m.TokenOutput)["logprobs"], f["logprobs"],
+                               f"StepOutputs[{i}].logprobs")
 
 
-_new_output = object.__new__
-_set = object.__setattr__
+def _row_reader() -> Any:
+    """`_token_output(row, i)`, written from TokenOutput's declaration: the row unpacked by
+    position into a dict literal (a dict(zip()) a row was 1.7x slower over a 64-row step).
+    Rows may grow at the end within one version; a newer peer's extra fields are ignored. A
+    frozen dataclass's __init__ sets each field through object.__setattr__ (most of the time);
+    its __dict__ set in one go makes the same object."""
+    names = ", ".join(_OUT_FIELDS)
+    fields = ", ".join(f"{n!r}: {n}" for n in _OUT_FIELDS)
+    n = len(_OUT_FIELDS)
+    source = (
+        "def _token_output(row, i):\n"
+        f"    if type(row) is not list or len(row) < {n}:\n"
+        f"        raise DecodeError(f'StepOutputs[{{i}}]: expected a list of {n}')\n"
+        f"    {names}, = row[:{n}]\n"
+        f"    f = {{{fields}}}\n"
+        "    checked(f, i)\n"
+        "    out = new(TokenOutput)\n"
+        "    put(out, '__dict__', f)\n"
+        "    return out\n")
+    scope = {"DecodeError": DecodeError, "checked": _checked_output, "new": object.__new__,
+             "put": object.__setattr__, "TokenOutput": m.TokenOutput}
+    exec(compile(source, "<protocol.codec: TokenOutput rows>", "exec"), scope)  # noqa: S102
+    return scope["_token_output"]
+
+
+_token_output = _row_reader()
+
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
