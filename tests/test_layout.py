@@ -149,3 +149,14 @@ def test_the_readme_architecture_names_every_package_and_only_files_that_exist()
     missing = sorted(n for n in named if not any(src.match(n) for src in sources)
                      and not (ROOT / n).exists())
     assert len(named) > 20 and not missing, missing
+
+
+def test_the_front_pages_open_with_their_figures() -> None:
+    """Issue 38: the README's headline figures sit in its first 40 lines and point at the
+    report, whose first section is its current figures."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:40]
+    assert any("INFERENCE_BENCHMARK_REPORT.md#current-figures" in line for line in readme)
+    assert sum("llama-server" in line for line in readme) >= 2
+    report = (ROOT / "INFERENCE_BENCHMARK_REPORT.md").read_text(encoding="utf-8")
+    sections = [line for line in report.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## Current figures", sections[:3]
