@@ -2,6 +2,7 @@
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
     /v1/completions, /v1/chat/completions, /v1/generate[/stream]  -> gateway.routes
+    /tokenize, /detokenize                                          -> gateway.tokenize_routes
     /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
 
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import errors, routes
+from gateway import errors, routes, tokenize_routes
 from gateway.config import GatewayConfig
 from gateway.offload import LoopLag
 from gateway.openapi import OpenAPIDocument, server_figures
@@ -45,6 +46,8 @@ def create_app(cfg: GatewayConfig) -> Starlette:
         Route("/v1/generate", routes.generate, methods=["POST"]),
         Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
         Route("/health/ready", ready, methods=["GET"]),

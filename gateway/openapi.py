@@ -30,7 +30,7 @@ from pydantic.json_schema import models_json_schema
 from gateway.config import GatewayConfig
 from gateway.intake import ROUTES as INTAKE_ROUTES
 from gateway.registry import Registry
-from gateway.schemas import SERVER_BOUND
+from gateway.schemas import SERVER_BOUND, DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -63,6 +63,9 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
     ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
      "native generation, streamed as SSE", True),
+    ("/tokenize", "post", TokenizeRequest, "a prompt's or a chat's token ids (vLLM's shape)",
+     False),
+    ("/detokenize", "post", DetokenizeRequest, "the text of token ids (vLLM's shape)", False),
     ("/v1/models", "get", None, "the models the ready workers serve", False),
     ("/health", "get", None, "status, workers and queue (503 when not ready)", False),
     ("/health/live", "get", None, "the process answers", False),

@@ -7,6 +7,7 @@ routes' own checks, and their 400s, stay where they are):
         ignore_eos
     gateway.tools: a tool_choice other than "none" needs tools
     the intake: a chat whose messages have no text at all is an empty prompt (422)
+    /tokenize: a prompt or messages, exactly one
 
 What no schema can say is left to the fields' descriptions: whether a regex, grammar or JSON
 schema compiles, whether a named tool is among the tools.
@@ -59,3 +60,8 @@ TOOL_CHOICE_NEEDS_TOOLS: dict[str, Any] = {"anyOf": [
 COMPLETION_RULES: dict[str, Any] = {"allOf": [one_constraint(chat=False)]}
 CHAT_RULES: dict[str, Any] = {"allOf": [one_constraint(chat=True), TOOL_CHOICE_NEEDS_TOOLS,
                                         SOME_TEXT]}
+
+# /tokenize: a prompt or messages, exactly one (the other absent or null).
+TOKENIZE_RULES: dict[str, Any] = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": NULL}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": NULL}}]}

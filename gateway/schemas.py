@@ -30,6 +30,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -41,7 +42,7 @@ from gateway.output_schemas import (
     ToolCall,
     ToolChoice,
 )
-from gateway.request_rules import CHAT_RULES, COMPLETION_RULES
+from gateway.request_rules import CHAT_RULES, COMPLETION_RULES, TOKENIZE_RULES
 
 MAX_N = 8
 MAX_LOGPROBS = 5
@@ -287,3 +288,25 @@ def check_limits(prompt_chars: int, max_tokens: int | None, *, max_prompt_chars:
     if max_tokens is not None and max_tokens > max_tokens_cap:
         raise RequestLimitError(
             f"max_tokens is {max_tokens}; the limit is {max_tokens_cap}", "max_tokens")
+
+
+class TokenizeRequest(RequestBase):
+    """vLLM's /tokenize body: a prompt, or chat messages (rendered by the model's template)."""
+
+    model_config = ConfigDict(json_schema_extra=TOKENIZE_RULES)
+    prompt: PROMPT_TEXT | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: Annotated[bool | None, Field(description=(
+        "a prompt: add the special tokens the model asks for (its bos), true by default; "
+        "messages: ignored, the chat template writes its own"))] = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(RequestBase):
+    tokens: Annotated[list[TOKEN_ID], Field(max_length=1 << 20)]
