@@ -115,6 +115,9 @@ def walk_chat_request(info: m.TokenizerInfo,
                       tokenizer: GatewayTokenizer) -> tuple[WalkRecorder, httpx.Response]:
     app = create_app(GatewayConfig())
     FakeEngine(app.state.gateway.client, info, tokenizer)
+    # A model's admission queue is built by its first request (gateway.admission.Admissions):
+    # built here, the walk is a request's to a model the gateway has served, as most are.
+    app.state.gateway.admission.of("tiny")
     [route] = [r for r in app.routes if isinstance(r, Route) and r.path == "/v1/chat/completions"]
     recorder = WalkRecorder(route.endpoint)
     body = {"model": "tiny", "max_tokens": 3,
