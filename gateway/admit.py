@@ -139,7 +139,8 @@ class Admitter:
             raise
         gen = Generation(self.client, req.model, new_request_id(), req.prompt_ids, req.params,
                          req.stop, req.deadline, req.arrival, slot, grammar=req.grammar,
-                         cache_salt=req.cache_salt)
+                         cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens,
+                         include_stop=req.include_stop)
         if slot.work is not None:  # the backlog counts what it has left from now on
             slot.work.generated = gen.longest_choice
         self.accounting.opened(gen)  # the span opens here so its context reaches the worker

@@ -75,9 +75,11 @@ class IncrementalDetokenizer:
         tokenizer: GatewayTokenizer,
         stop: Sequence[str] | None = None,
         skip_special_tokens: bool = True,
+        keep_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output: the text ends after it
         # Empty stop strings would match everywhere; OpenAI's API never means that. Order is kept
         # (dict keys) only so that behaviour is reproducible; the winner does not depend on it.
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop or () if s))
@@ -155,7 +157,7 @@ class IncrementalDetokenizer:
             match = _stop_match(text, self._stops)
             if match is not None:
                 start, stop = match
-                out, self._held = text[:start], ""
+                out, self._held = text[:start + len(stop) if self._keep_stop else start], ""
                 self.stopped, self.matched_stop, self._finished = True, stop, True
             elif final:
                 out, self._held = text, ""

@@ -97,7 +97,8 @@ class Generation:
     def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
                  deadline: float | None, arrival: float, slot: Slot, grammar: str | None = None,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self.client = client
         self.model = model
         self.request_id = request_id
@@ -106,7 +107,8 @@ class Generation:
         self.deadline = deadline  # monotonic; None: none
         self.slot = slot
         self.timings = Timings(arrival)
-        self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop))
+        self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop, skip_special_tokens,
+                                                       include_stop))
                         for _ in range(params.n)]
         self.cached_tokens = 0
         self.handle: RequestHandle | None = None

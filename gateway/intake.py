@@ -93,6 +93,8 @@ class EngineRequest:
     grammar: str | None = None  # structured output (gateway/structured.py)
     cache_salt: str = ""  # the prefix cache's tenant (gateway/tenancy.py)
     tool_plan: ToolPlan | None = None  # chat with callable tools (gateway/tools.py)
+    skip_special_tokens: bool = True  # in the text: special tokens dropped
+    include_stop: bool = False  # in the text: the matched stop string kept
 
 
 def parse_body(schema: type[RequestBase], data: Any) -> Any:
@@ -163,7 +165,8 @@ class Intake:
                                **fields)
         return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
-                             tool_plan)
+                             tool_plan, getattr(body, "skip_special_tokens", True),
+                             getattr(body, "include_stop_str_in_output", False))
 
     def _prompt(self, body: Any, tokenizer: GatewayTokenizer
                 ) -> tuple[Any, ToolPlan | None, int, Encode]:

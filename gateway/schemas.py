@@ -178,6 +178,10 @@ class _SamplingFields(RequestBase):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
+    # vLLM's extensions: the matched stop string kept at the end of the text; special tokens
+    # (<|im_end|>...) written out in the text rather than dropped.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Declared so that it is refused (400), never silently ignored: the worker has no logit bias.
     logit_bias: Annotated[dict[str, float] | None, Field(json_schema_extra={"maxProperties": 0},
                           description="not supported: a non-empty map is a 400")] = None

@@ -280,3 +280,16 @@ def test_any_chunking_on_a_metaspace_tokenizer_equals_full_decode_cut_at_first_s
     stops = data.draw(_stops(full))
     detok, pieces = run(metaspace, _split(ids, cuts), stops, skip_special_tokens=skip)
     assert "".join(pieces) == detok.text == reference(full, stops)
+
+
+@pytest.mark.parametrize("split", ["one_by_one", "at_once"])
+def test_include_stop_str_in_output_ends_the_text_after_the_stop(
+        smollm2: GatewayTokenizer, split: str) -> None:
+    """Issue 40: vLLM's include_stop_str_in_output: the matched stop string is kept, nothing
+    after it, however the ids arrive."""
+    ids = smollm2.encode("The capital of France is Paris. It is big.")
+    chunks = one_by_one(ids) if split == "one_by_one" else [ids]
+    detok = IncrementalDetokenizer(smollm2, ["Paris."], keep_stop=True)
+    pieces = [detok.add(list(c)) for c in chunks] + [detok.flush()]
+    assert "".join(pieces) == detok.text == "The capital of France is Paris."
+    assert detok.stopped and detok.matched_stop == "Paris."
