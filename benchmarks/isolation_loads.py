@@ -119,11 +119,14 @@ async def keep_sending(counts: Counter, stop: asyncio.Event, port: int, make_bod
             await asyncio.sleep(0.1)
 
 
-async def evil(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
+async def templated_peer(a: argparse.Namespace, counts: Counter, stop: asyncio.Event,
+                         model_id: str, template: str, contents: list[str]) -> None:
+    """A peer of `model_id` whose chat template is `template`, with heartbeats, and one chat
+    for it in flight per entry of `contents` (each re-sent as it ends)."""
     peer = FakeWorker(a.engine)
     info = tiny_hello(a.model_dir).tokenizer
-    hello = tiny_hello(a.model_dir, model_id="evil",
-                       tokenizer=dataclasses.replace(info, chat_template=SILENT_LOOPS))
+    hello = tiny_hello(a.model_dir, model_id=model_id,
+                       tokenizer=dataclasses.replace(info, chat_template=template))
     try:
         welcome = await asyncio.to_thread(peer.hello, hello)
         counts["welcome" if welcome is not None and welcome.accepted else "no_welcome"] += 1
@@ -133,11 +136,14 @@ async def evil(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> N
                 peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
                 await asyncio.sleep(0.2)
 
-        body = chat_body("evil")
-        await asyncio.gather(beat(), *(keep_sending(counts, stop, a.port, lambda _i: body)
-                                       for _ in range(7)))
+        await asyncio.gather(beat(), *(keep_sending(
+            counts, stop, a.port, lambda _i, c=c: chat_body(model_id, c)) for c in contents))
     finally:
         peer.close()
+
+
+async def evil(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
+    await templated_peer(a, counts, stop, "evil", SILENT_LOOPS, ["hi"] * 7)
 
 
 async def grammar(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
@@ -305,25 +311,8 @@ async def empty(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> 
 
 
 async def arith(a: argparse.Namespace, counts: Counter, stop: asyncio.Event) -> None:
-    peer = FakeWorker(a.engine)
-    info = tiny_hello(a.model_dir).tokenizer
     template = ARITHMETIC.replace("833334", "1100000")  # 10 ** 3.3 M for "pow"
-    hello = tiny_hello(a.model_dir, model_id="arith",
-                       tokenizer=dataclasses.replace(info, chat_template=template))
-    try:
-        welcome = await asyncio.to_thread(peer.hello, hello)
-        counts["welcome" if welcome is not None and welcome.accepted else "no_welcome"] += 1
-
-        async def beat() -> None:
-            while not stop.is_set():
-                peer.send(m.Heartbeat(hello.worker_id, m.Stats()))
-                await asyncio.sleep(0.2)
-
-        kinds = ["pow", "mul", "other"]
-        await asyncio.gather(beat(), *(keep_sending(
-            counts, stop, a.port, lambda _i, k=k: chat_body("arith", k)) for k in kinds))
-    finally:
-        peer.close()
+    await templated_peer(a, counts, stop, "arith", template, ["pow", "mul", "other"])
 
 
 LOADS = {"evil": evil, "grammar": grammar, "hello": hello, "noread": noread, "slow": slow,

@@ -78,6 +78,16 @@ class Proc:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def only_error(self) -> str:
+        """The message of the one ERROR line the process logged, which must be its only one,
+        with no traceback anywhere in its output (how a refusal is said: one line)."""
+        out = self.output()
+        assert "Traceback" not in out, out[-3000:]
+        errors = [json.loads(line) for line in out.splitlines()
+                  if line.startswith("{") and '"ERROR"' in line]
+        assert len(errors) == 1, out[-3000:]
+        return errors[0]["msg"]
+
     def log_lines(self) -> list[dict[str, Any]]:
         lines = []
         for line in self.output().splitlines():

@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 # GGUF value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array.
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+T = TypeVar("T")
 
 
 def _skip(buf: mmap.mmap, pos: int, vtype: int) -> int:
@@ -65,29 +68,31 @@ def _entries(path: Path, buf: mmap.mmap):  # noqa: ANN202 (a generator of (name,
                              "past the end of the file")
 
 
-def gguf_string(path: Path, key: str) -> str | None:
-    """One string of a GGUF file's metadata, or None. Reads the header only up to that key."""
+def _metadata(path: Path, key: str, vtype: int, read: Callable[[mmap.mmap, int], T]) -> T | None:
+    """`read(buf, offset)` of one metadata value of type `vtype`, or None when the key is absent.
+    Reads the header only up to that key."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         want = key.encode()
-        for name, vtype, pos in _entries(path, buf):
+        for name, found, pos in _entries(path, buf):
             if name == want:
-                if vtype != _STRING:
-                    raise ValueError(f"{path}: {key} is not a string (GGUF type {vtype})")
-                n = struct.unpack_from("<Q", buf, pos)[0]
-                return buf[pos + 8 : pos + 8 + n].decode("utf-8")
+                if found != vtype:
+                    raise ValueError(f"{path}: {key} has GGUF type {found}, not {vtype}")
+                return read(buf, pos)
     return None
+
+
+def gguf_string(path: Path, key: str) -> str | None:
+    """One string of a GGUF file's metadata, or None."""
+    def read(buf: mmap.mmap, pos: int) -> str:
+        n = struct.unpack_from("<Q", buf, pos)[0]
+        return buf[pos + 8 : pos + 8 + n].decode("utf-8")
+    return _metadata(path, key, _STRING, read)
 
 
 def gguf_array_len(path: Path, key: str) -> int | None:
-    """How many items one array of a GGUF file's metadata holds (its header alone), or None."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        want = key.encode()
-        for name, vtype, pos in _entries(path, buf):
-            if name == want:
-                if vtype != _ARRAY:
-                    raise ValueError(f"{path}: {key} is not an array (GGUF type {vtype})")
-                return int(struct.unpack_from("<IQ", buf, pos)[1])
-    return None
+    """How many items one array of a GGUF file's metadata holds, or None."""
+    return _metadata(path, key, _ARRAY, lambda buf, pos: int(struct.unpack_from("<IQ", buf,
+                                                                                 pos)[1]))
 
 
 def header_digest(path: Path) -> str:
