@@ -115,7 +115,6 @@ def test_bad_frames_end_their_request_with_a_502_and_the_worker_is_dropped(
     # Three bad frames from three peers: each counted against its own peer, none dropped yet.
     # One peer that sends three is dropped, and the other model never noticed.
     rogue = Rogue(gw, tiny_model_dir, WRONG["outside the vocabulary"][0])
-    identity = rogue.peer.sock.getsockopt(zmq.IDENTITY)
     try:
         codes = [complete(gw, "rogue").status_code for _ in range(3)]
         assert codes == [502, 502, 502]
@@ -126,19 +125,6 @@ def test_bad_frames_end_their_request_with_a_502_and_the_worker_is_dropped(
         assert complete(gw, "rogue").status_code in (404, 503)  # no worker serves it now
     finally:
         rogue.close()
-    # Its Hellos are refused unread for a while (each would cost the gateway a tokenizer).
-    # (The gateway's socket drops a new connection with an identity it still holds until it has
-    # retired the old one, so the Hello is sent again until an answer comes, as a worker does.)
-    again = FakeWorker(gw.engine_address, identity=identity)
-    try:
-        welcome = None
-        for _ in range(10):
-            welcome = again.hello(rogue.hello, timeout_s=2.0)
-            if welcome is not None:
-                break
-    finally:
-        again.close()
-    assert welcome is not None and not welcome.accepted and "dropped" in welcome.reason
     assert complete(gw, tiny_model_dir.name).status_code == 200
 
 

@@ -224,3 +224,19 @@ def test_a_step_with_more_rows_than_could_have_run_is_refused_before_decoding(
         client.link.close()
 
     asyncio.run(run())
+
+
+def test_a_dropped_workers_hellos_are_refused_unread_for_a_while() -> None:
+    async def run() -> None:
+        client, [worker], sent = client_with_workers(1)
+        for _ in range(MAX_WORKER_FAULTS):
+            await client._dispatch(worker, m.StepOutputs([]))
+        assert worker.identity not in client.workers
+        client.membership.start_hello(worker.identity, codec.encode(worker.hello))
+        await asyncio.gather(*client.membership.hellos.values())
+        answer = sent[-1][1]
+        assert isinstance(answer, m.Welcome) and not answer.accepted
+        assert "dropped" in answer.reason and worker.identity not in client.workers
+        client.link.close()
+
+    asyncio.run(run())
