@@ -134,7 +134,7 @@ class Intake:
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
         cfg = self.cfg
         model = self.model(draft.body.model)
-        body, tool_plan, chars, encode = self._prompt(draft.body, model.tokenizer)
+        body, tool_plan, chars, encode = self.prompt_of(draft.body, model.tokenizer)
         if getattr(body, "logit_bias", None):
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
                            code="unsupported_parameter")
@@ -168,7 +168,7 @@ class Intake:
                              tool_plan, getattr(body, "skip_special_tokens", True),
                              getattr(body, "include_stop_str_in_output", False))
 
-    def _prompt(self, body: Any, tokenizer: GatewayTokenizer
+    def prompt_of(self, body: Any, tokenizer: GatewayTokenizer
                 ) -> tuple[Any, ToolPlan | None, int, Encode]:
         """The body (a one-prompt batch unwrapped), a chat's tool plan, the prompt's length in
         characters, and how it becomes tokens."""

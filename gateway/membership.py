@@ -57,14 +57,12 @@ class Membership:
     def start_hello(self, identity: bytes, body: list[bytes]) -> None:
         if identity in self.hellos or len(self.hellos) >= MAX_PENDING_HELLOS:
             return  # one at a time per peer; the worker says Hello again if unanswered
-        if self._banned.get(identity, 0.0) > time.monotonic():
-            task = asyncio.create_task(self._refuse(
-                identity, "(dropped)", "dropped for sending frames no honest worker sends; "
-                "its Hellos are refused for a while"), name="engine-hello")
-            self.hellos[identity] = task
-            task.add_done_callback(lambda _t: self.hellos.pop(identity, None))
-            return
-        task = asyncio.create_task(self.on_hello(identity, body), name="engine-hello")
+        if self._banned.get(identity, 0.0) > time.monotonic():  # refused unread
+            answer = self._refuse(identity, "(dropped)", "dropped for sending frames no honest "
+                                  "worker sends; its Hellos are refused for a while")
+        else:
+            answer = self.on_hello(identity, body)
+        task = asyncio.create_task(answer, name="engine-hello")
         self.hellos[identity] = task
         task.add_done_callback(lambda _t: self.hellos.pop(identity, None))
 

@@ -157,9 +157,8 @@ def _bounded_filter(name: str, check: Callable[..., None]) -> Callable[..., Any]
         check(*args, **kwargs)
         return inner(*args, **kwargs)
 
-    for attr in ("jinja_pass_arg",):  # environment/context-passing filters keep their marker
-        if hasattr(inner, attr):
-            setattr(bounded, attr, getattr(inner, attr))
+    if hasattr(inner, "jinja_pass_arg"):  # a filter given the environment or context keeps it
+        bounded.jinja_pass_arg = inner.jinja_pass_arg  # type: ignore[attr-defined]
     return bounded
 
 

@@ -54,7 +54,7 @@ async def tokenize(request: Request) -> Response:
             return t.encode(body.prompt, add_special_tokens=special)
     else:  # (add_special_tokens is ignored: the chat template writes its own)
         chat = ChatCompletionRequest(model=entry.model_id, messages=body.messages)
-        _, _, chars, encode = state.intake._prompt(chat, tok)
+        _, _, chars, encode = state.intake.prompt_of(chat, tok)
     if chars > cfg.max_prompt_chars:
         raise APIError(422, f"the input is {chars} characters, over the server's limit of "
                        f"{cfg.max_prompt_chars}", param="prompt" if body.prompt else "messages",
