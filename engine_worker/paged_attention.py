@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine_worker.kernel_build import KernelUnavailable, compiler_missing, load_kernel
+from engine_worker.kernel_build import KernelUnavailable, load_kernel
 
 log = logging.getLogger("kestrel.paged_attention")
 
@@ -70,9 +70,7 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
         reason = f"the kernel is CPU-only, the device is {device}"
     elif dtype not in (torch.float32, torch.bfloat16):
         reason = f"the kernel serves float32 and bfloat16 caches, not {dtype}"
-    else:
-        reason = compiler_missing()
-    if reason is None:
+    if reason is None:  # a cached or prebuilt library serves without a compiler
         try:
             _load(str(cache_dir))
         except KernelUnavailable as e:  # a failed build must not stop the worker: gather works

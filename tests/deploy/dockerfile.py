@@ -58,9 +58,35 @@ class Dockerfile:
             pending = []
         if pending:
             raise ValueError(f"{path}: ends inside a continued instruction")
+        # Stages: FROM <image or earlier stage> [AS name]. The shipped image is the last stage
+        # and the stages it is FROM, back to a base; a build stage beside them is not in it.
+        self.stages: dict[str, list[Instruction]] = {}
+        parents: dict[str, str | None] = {}
+        current = ""
+        for inst in self.instructions:
+            if inst.keyword == "FROM":
+                words = inst.args.split()
+                current = words[2] if len(words) == 3 and words[1].upper() == "AS" \
+                    else f"#{len(self.stages)}"
+                parents[current] = words[0] if words[0] in self.stages else None
+                self.stages[current] = []
+            if current:
+                self.stages[current].append(inst)
+        lineage: list[str] = []
+        stage: str | None = current or None
+        while stage is not None:
+            lineage.insert(0, stage)
+            stage = parents[stage]
+        self.image = [i for name in lineage for i in self.stages[name]] if lineage \
+            else list(self.instructions)
 
     def all(self, keyword: str) -> list[Instruction]:
-        return [i for i in self.instructions if i.keyword == keyword]
+        """The instructions of this keyword that build the shipped image (build stages beside
+        it left out)."""
+        return [i for i in self.image if i.keyword == keyword]
+
+    def stage(self, name: str) -> list[Instruction]:
+        return self.stages[name]
 
     def env(self) -> dict[str, str]:
         """Every ENV of the (single-stage) image, later ones winning."""
@@ -72,7 +98,9 @@ class Dockerfile:
     def args(self) -> dict[str, str]:
         """ARG defaults (an ARG without a default maps to '')."""
         out: dict[str, str] = {}
-        for inst in self.all("ARG"):
+        for inst in self.instructions:  # those before the first FROM too
+            if inst.keyword != "ARG":
+                continue
             name, _, default = inst.args.partition("=")
             out[name.strip()] = shlex.split(default)[0] if default else ""
         return out

@@ -20,12 +20,13 @@ from typing import Any
 
 from common.settings import ENV_PREFIX, env_name, parse_settings
 from engine_worker.config import WorkerConfig
+from engine_worker.kernel_build import PREBUILT_ENV
 from gateway.config import GatewayConfig
 
-# module run with `python -m` -> (config class, non-prefixed variables it also reads)
+# module run with `python -m` -> (config class, variables it also reads outside its config)
 PROCESSES: dict[str, tuple[type, dict[str, str]]] = {
     "gateway.main": (GatewayConfig, {"port": "PORT"}),
-    "engine_worker.main": (WorkerConfig, {}),
+    "engine_worker.main": (WorkerConfig, {"prebuilt kernels": PREBUILT_ENV}),
 }
 
 # field -> "file" or "dir": link-key settings whose value must exist where the process runs

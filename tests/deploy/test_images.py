@@ -116,11 +116,31 @@ def test_runs_as_a_numeric_non_root_user_with_a_healthcheck(name: str) -> None:
     last = df.instructions[-1]
     assert last.keyword == "CMD" and user.line < last.line
     # The base is an argument (a host that cannot pull it passes its own, `make images`) whose
-    # default is the pinned public image; it is the only thing before the single FROM.
+    # default is the pinned public image; it is the only thing before the first FROM, and every
+    # other stage grows from it.
     first, second = df.instructions[:2]
     assert (first.keyword, second.keyword) == ("ARG", "FROM"), (first, second)
-    assert second.args == "${BASE}" and len(df.all("FROM")) == 1
+    assert second.args.split()[0] == "${BASE}"
+    for inst in df.instructions:
+        if inst.keyword == "FROM" and inst is not second:
+            assert inst.args.split()[0] in df.stages, f"{inst.line}: FROM {inst.args}"
     assert re.match(r"python:\d+\.\d+\.\d+-slim", df.args()["BASE"])  # pinned
+
+
+def test_worker_image_ships_prebuilt_kernels_and_no_compiler() -> None:
+    """Issue 42: the image had no compiler, so its worker ran torch's slow paths. The kernels are
+    compiled in a build stage for the portable levels and only the libraries reach the image,
+    where the worker finds them through KESTREL_PREBUILT_KERNELS."""
+    df = Dockerfile(IMAGES["worker"])
+    build = df.stage("kernels")
+    assert build[0].args.split()[0] in df.stages  # from the dependencies' stage: same torch
+    assert any("g++" in i.args for i in build if i.keyword == "RUN")
+    [prebuild] = [i for i in build if i.keyword == "RUN" and "--prebuild" in i.args]
+    target = prebuild.args.split("--prebuild")[1].split()[0]
+    assert not any("g++" in i.args or "gcc" in i.args for i in df.all("RUN"))
+    copies = [i for i in df.all("COPY") if i.args.startswith("--from=kernels")]
+    assert copies and copies[0].args.split()[1] == target
+    assert df.env().get("KESTREL_PREBUILT_KERNELS") == copies[0].args.split()[-1]
 
 
 def dockerignore() -> list[str]:
@@ -150,7 +170,9 @@ def test_dockerignore_keeps_the_context_small_and_what_images_copy() -> None:
                   "deploy/k8s/base/secrets/link/gateway.key_secret", "tests/conftest.py"):
         assert ignored(heavy, patterns), heavy
     for df in IMAGES.values():
-        for inst in Dockerfile(df).all("COPY"):
+        for inst in Dockerfile(df).instructions:
+            if inst.keyword != "COPY" or inst.args.startswith("--from="):
+                continue  # what a COPY --from takes comes from a build stage, not the context
             for src in inst.args.split()[:-1]:
                 assert (ROOT / src).exists(), src
                 assert not ignored(src, patterns), f"{df.name} copies {src}, .dockerignore drops it"
@@ -162,7 +184,7 @@ def image_tree(df: Dockerfile, dest: Path, before_line: int | None = None) -> No
         if before_line is not None and inst.line > before_line:
             break
         *sources, target = inst.args.split()
-        if target.startswith("/tmp/"):
+        if target.startswith("/tmp/") or inst.args.startswith("--from="):
             continue
         for src in sources:
             out = dest / target if not target.endswith("/") else dest / target / Path(src).name

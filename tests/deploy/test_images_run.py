@@ -87,9 +87,9 @@ def container(name: str) -> str:
     return f"kestrel-test-{name}-{os.getpid()}"
 
 
-def logs(name: str) -> str:
+def logs(name: str, tail: int = 3000) -> str:
     out = podman("logs", container(name))
-    return f"--- {name} ---\n{(out.stdout + out.stderr)[-3000:]}"
+    return f"--- {name} ---\n{(out.stdout + out.stderr)[-tail:]}"
 
 
 def running(name: str) -> bool:
@@ -153,6 +153,16 @@ def test_images_serve_a_completion(tmp_path: Path) -> None:
         completion = raw.parse()
         assert completion.choices[0].text.strip(), completion
         assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 4
+
+        # The fast path, as on a host with a compiler: the image carries no compiler, so each
+        # kernel is one its build stage made for the best level this CPU runs (issue 42: the
+        # image once fell back to torch's INT8 and gathered attention).
+        worker_log = logs("worker", tail=20000)
+        assert "no C++ compiler" not in worker_log, worker_log
+        for kernel in ("int_dot", "paged_attention", "decode_stack"):
+            assert f"{kernel} kernel: the prebuilt" in worker_log, worker_log
+        assert "reads the paged KV cache in place" in worker_log, worker_log
+        assert "through the C++ decode stack" in worker_log, worker_log
 
         # Stopped as compose stops them (SIGTERM, a grace period): each drains and exits 0.
         for name in reversed(started):

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine_worker.paged_attention import compiler_missing
+from engine_worker.kernel_build import compiler_missing
 from tests.procs import GatewayProc, WorkerProc
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "1, 2, 3, 4,",

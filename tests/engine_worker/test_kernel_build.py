@@ -98,3 +98,56 @@ def test_a_truncated_cached_kernel_is_refused_and_logged_not_a_crash(cached_copy
     assert res.stdout.startswith("UNAVAILABLE")  # no compiler here to rebuild it: the fallback
     assert "is unusable" in res.stderr and "bytes where" in res.stderr
     assert not lib.exists()  # removed, so that a start with a compiler rebuilds it
+
+
+V4 = "avx2 fma f16c avx512f avx512bw avx512dq avx512vl"
+
+
+@pytest.mark.parametrize(("flags", "cap", "levels"), [
+    ("fpu avx avx2 fma f16c", "native", ["avx2"]),
+    ("fpu avx avx2 fma f16c avx_vnni", "native", ["avxvnni", "avx2"]),
+    (V4, "native", ["avx512", "avx2"]),
+    (V4 + " avx512_vnni", "native", ["avx512vnni", "avx512", "avx2"]),
+    (V4 + " avx512_vnni avx_vnni", "native", ["avx512vnni", "avx512", "avxvnni", "avx2"]),
+    (V4 + " avx512_vnni", "avx2", ["avx2"]),  # the cap's own -march, nothing past it
+    (V4 + " avx512_vnni", "avx512", ["avx512", "avx2"]),
+    ("fp asimd", "native", []),
+])
+def test_portable_levels_follow_the_cpu_and_the_cap(monkeypatch: pytest.MonkeyPatch, flags: str,
+                                                    cap: str, levels: list[str]) -> None:
+    monkeypatch.setattr(kernel_build, "_cpu_flags", lambda: flags)
+    monkeypatch.setenv("KESTREL_CPU_ISA", cap)
+    assert kernel_build.portable_levels() == levels
+
+
+def test_a_prebuilt_kernel_loads_without_a_compiler_at_the_best_level(tmp_path: Path) -> None:
+    """What the worker image does: libraries built in its build stage for x86-64-v4 and -v3, a
+    run with no compiler and an empty cache loads the best one this CPU runs (never one it
+    cannot: an AVX2 host gets the -v3 library although the -v4 one lies beside it)."""
+    if kernel_build.compiler_missing() is not None:
+        pytest.skip("no C++ compiler: nothing to prebuild")
+    levels = kernel_build.portable_levels()
+    if not levels:
+        pytest.skip("this CPU runs no prebuilt level (not x86-64-v3)")
+    root = tmp_path / "prebuilt"
+    other = "avx512" if levels[0] == "avx2" else "avx2"  # beside it: one this CPU must not take
+    built = kernel_build.prebuild(root, levels=(levels[0], other), names=("group_gemv",))
+    assert len(built) == 2 and all(p.is_file() for p in built)
+    res = _load_elsewhere(tmp_path / "cache", KESTREL_PREBUILT_KERNELS=str(root))
+    assert res.returncode == 0 and res.stdout.strip() == "LOADED", res.stderr[-2000:]
+    assert f"the prebuilt {levels[0]} library" in res.stderr
+    assert not (tmp_path / "cache" / "kernels").exists()  # nothing compiled, nothing cached
+
+
+def test_a_damaged_prebuilt_kernel_is_refused_not_loaded(tmp_path: Path) -> None:
+    if kernel_build.compiler_missing() is not None:
+        pytest.skip("no C++ compiler: nothing to prebuild")
+    levels = kernel_build.portable_levels()
+    if not levels:
+        pytest.skip("this CPU runs no prebuilt level (not x86-64-v3)")
+    root = tmp_path / "prebuilt"
+    [lib] = kernel_build.prebuild(root, levels=(levels[-1],), names=("group_gemv",))
+    lib.write_bytes(lib.read_bytes()[:4096])
+    res = _load_elsewhere(tmp_path / "cache", KESTREL_PREBUILT_KERNELS=str(root))
+    assert res.returncode == 0, f"the worker died ({res.returncode}): {res.stderr[-2000:]}"
+    assert res.stdout.startswith("UNAVAILABLE") and "prebuilt group_gemv kernel" in res.stderr

@@ -18,15 +18,13 @@ import pytest
 import torch
 
 from common.settings import parse_settings
+from engine_worker import kernel_build
 from engine_worker.config import WorkerConfig
+from engine_worker.kernel_build import compiler_missing
 from engine_worker.kv_cache import kv_cache_bytes
 from engine_worker.model.attention import Attention
 from engine_worker.model_runner import ModelRunner
-from engine_worker.paged_attention import (
-    compiler_missing,
-    load_paged_attention,
-    paged_decode_attention,
-)
+from engine_worker.paged_attention import load_paged_attention, paged_decode_attention
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
 from tests.engine_worker.greedy_run import greedy_tokens
@@ -194,6 +192,9 @@ def test_fallback_reasons_without_building(monkeypatch: pytest.MonkeyPatch,
         pa = load_paged_attention("auto", device, dtype, tmp_path)
         assert not pa.enabled and why in pa.reason
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.delenv("KESTREL_PREBUILT_KERNELS", raising=False)
+    # as in a fresh process: an op an earlier test registered here would serve without a compiler
+    monkeypatch.setattr(kernel_build, "registered", lambda op: False)
     pa = load_paged_attention("auto", CPU, torch.float32, tmp_path)
     assert not pa.enabled and "no C++ compiler" in pa.reason
     assert not (tmp_path / "kernels").exists()  # nothing was built
