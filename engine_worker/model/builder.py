@@ -28,8 +28,8 @@ import torch
 from engine_worker import int_dot
 from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.ggml_types import forget_tensors
-from engine_worker.model.gguf_native import legacy_only, load_gguf_model
+from engine_worker.model.ggml_types import forget_tensors, tensors
+from engine_worker.model.gguf_native import check_shapes, legacy_only, load_gguf_model
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
 from engine_worker.model.quant_group import load_group_gemv
@@ -69,6 +69,8 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
     """The model `cfg` names on its device, RoPE tables for `max_positions`."""
     device = torch.device(cfg.device)
     dense_min_rows = cfg.dense_min_rows
+    if cfg.gguf_path is not None:  # a file that cannot serve is refused before kernels and timings
+        check_shapes(tensors(cfg.gguf_path), model_cfg)
     # Q8_0 (group-wise INT8) layers at few rows: our C++ kernel where it builds (CPU)
     native_q8 = device.type == "cpu" and load_group_gemv(cfg.cache_dir) is None
     if cfg.gguf_path is not None:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from engine_worker import int_dot
+from engine_worker.model.gguf_header import tensor_table
 
 log = logging.getLogger("kestrel.gguf")
 
@@ -174,18 +175,17 @@ class Blocks:
 
 
 def tensors(gguf_path: Path) -> dict[str, Any]:
-    """The file's GGUFReader tensors by name. Parsing a file takes seconds (gguf-py reads the
-    tokenizer's arrays field by field), and a start reads it three times (the file's types, the
-    path choice, the load): parsed once, kept until `forget_tensors()` unmaps it."""
+    """The file's tensors by name (GGUFReader's, from gguf_header.tensor_table: its tensor table
+    read alone, not gguf-py's parse of every metadata array). A start reads them three times
+    (the file's types, the path choice, the load): read once, kept until `forget_tensors()`
+    unmaps it."""
     st = os.stat(gguf_path)
     return _tensors(str(gguf_path), st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=1)
 def _tensors(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
-    import gguf
-
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return tensor_table(Path(path))
 
 
 forget_tensors = _tensors.cache_clear

@@ -6,7 +6,9 @@
 `gguf_string` reads one metadata string, `gguf_array_len` one array's length; `header_digest`
 hashes everything before the data (the metadata and the tensor table), the part a conversion
 reads: the converted-model cache is keyed by it, so an edit of a token id or a template is seen
-even when the file keeps its size.
+even when the file keeps its size. `tensor_table` lists the tensors as GGUFReader does (its own
+ReaderTensor, data a read-only memory map of the file) from the tensor table alone: 3.8 s of
+every start of SmolLM2's file on a Zen 5 core became milliseconds.
 """
 
 from __future__ import annotations
@@ -109,3 +111,68 @@ def header_digest(path: Path) -> str:
         if pos > len(buf):
             raise ValueError(f"{path}: the header runs past the end of the file")
         return hashlib.sha256(buf[:pos]).hexdigest()
+
+
+# GGUF tensor types whose data GGUFReader views as numbers (the rest as bytes per block row)
+_NUMERIC = {0: "float32", 1: "float16", 24: "int8", 25: "int16", 26: "int32", 27: "int64",
+            28: "float64"}
+_ALIGNMENT_KEY, _UINT32 = b"general.alignment", 4
+
+
+def tensor_table(path: Path) -> dict:  # noqa: ANN201 -> dict[str, gguf.ReaderTensor]
+    """Every tensor of the file by name, as `gguf.GGUFReader(path).tensors` gives them (field
+    None): type, dims (innermost first), element and byte counts, data offset, and the data as a
+    view of one read-only np.memmap of the file. ValueError where the table is malformed: a
+    duplicated name, an unknown type, data past the end of the file."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+    from gguf.quants import quant_shape_to_byte_shape
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos, alignment = 24, 32
+        for name, vtype, value in _entries(path, buf):
+            if name == _ALIGNMENT_KEY and vtype == _UINT32:
+                alignment = struct.unpack_from("<I", buf, value)[0]
+            pos = _skip(buf, value, vtype)
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
+        n_tensors = struct.unpack_from("<Q", buf, 8)[0]
+        if n_tensors > len(buf) // 24:
+            raise ValueError(f"{path}: the header claims {n_tensors:,} tensors, more than its "
+                             f"{len(buf):,} bytes can hold")
+        infos = []
+        for _ in range(n_tensors):  # name, n_dims, dims, type, offset
+            n = struct.unpack_from("<Q", buf, pos)[0]
+            name = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8")
+            n_dims = struct.unpack_from("<I", buf, pos + 8 + n)[0]
+            if n_dims > 8:
+                raise ValueError(f"{path}: tensor {name!r} claims {n_dims} dimensions")
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 12 + n)
+            raw_type, offset = struct.unpack_from("<IQ", buf, pos + 12 + n + 8 * n_dims)
+            infos.append((name, dims, raw_type, offset))
+            pos += 8 + n + 4 + 8 * n_dims + 4 + 8
+        start = pos + (-pos % alignment)
+    data = np.memmap(path, mode="r")
+    out: dict = {}
+    for name, dims, raw_type, offset in infos:
+        if name in out:
+            raise ValueError(f"{path}: tensor {name!r} is listed twice")
+        ggml_type = GGMLQuantizationType(raw_type)
+        n_elems = int(np.prod(dims, dtype=np.uint64)) if dims else 1
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        n_bytes = n_elems * type_size // block
+        begin = start + offset
+        if begin + n_bytes > len(data):
+            raise ValueError(f"{path}: tensor {name!r} ({n_bytes:,} bytes at {begin:,}) runs "
+                             f"past the end of the file ({len(data):,} bytes)")
+        np_dims = tuple(reversed(dims))
+        if raw_type in _NUMERIC:
+            view = data[begin : begin + n_bytes].view(np.dtype(_NUMERIC[raw_type]))
+        else:
+            view = data[begin : begin + n_bytes]
+            np_dims = quant_shape_to_byte_shape(np_dims, ggml_type)
+        out[name] = ReaderTensor(name=name, tensor_type=ggml_type,
+                                 shape=np.array(dims, dtype=np.uint64), n_elements=n_elems,
+                                 n_bytes=n_bytes, data_offset=begin,
+                                 data=view.reshape(np_dims), field=None)
+    return out

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.model.config import ModelConfig
-from engine_worker.model.gguf_header import gguf_array_len, header_digest
+from engine_worker.model.gguf_header import gguf_array_len, header_digest, tensor_table
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAMES = ("default", "smollm2")
@@ -183,9 +183,7 @@ def _dequantized_weights(gguf: Path, out: Path) -> dict[str, Any]:
 
 def _tied(gguf: Path) -> bool:
     """Whether the file's LM head is its token embedding (no `output.weight` tensor)."""
-    from gguf import GGUFReader
-
-    return all(t.name != "output.weight" for t in GGUFReader(str(gguf)).tensors)
+    return "output.weight" not in tensor_table(gguf)
 
 
 def save_gguf_tokenizer(gguf: Path, out: Path) -> None:

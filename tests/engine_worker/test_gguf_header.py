@@ -1,4 +1,5 @@
-"""engine_worker/model/gguf_header.py: the header digest that keys the converted-model cache."""
+"""engine_worker/model/gguf_header.py: the header digest that keys the converted-model cache, and
+the tensor table read without gguf-py's parse of the metadata (the same tensors as GGUFReader)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 
-from engine_worker.model.gguf_header import gguf_array_len, gguf_string, header_digest
+from engine_worker.model.gguf_header import (
+    gguf_array_len,
+    gguf_string,
+    header_digest,
+    tensor_table,
+)
 from engine_worker.model.loader import _converted
 from tests.engine_worker.gguf_factory import finish
 
@@ -80,3 +87,49 @@ def test_a_vocabulary_over_the_limit_is_refused_before_any_conversion(
     monkeypatch.setattr(loader, "convert_gguf", lambda *a, **k: pytest.fail("converted"))
     with pytest.raises(ModelRefused, match=r"has 5,000 tokens, over the limit of 4,999"):
         _converted(path, tmp_path / "cache", weights=False)
+
+
+def _same_as_gguf_reader(path: Path) -> int:
+    ours = tensor_table(path)
+    theirs = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert list(ours) == list(theirs)
+    for name, ref in theirs.items():
+        got = ours[name]
+        assert (got.tensor_type, got.n_elements, got.n_bytes, got.data_offset) == (
+            ref.tensor_type, ref.n_elements, ref.n_bytes, ref.data_offset), name
+        assert got.shape.tolist() == ref.shape.tolist(), name
+        assert got.data.dtype == ref.data.dtype and got.data.shape == ref.data.shape, name
+        assert np.array_equal(got.data, ref.data), name
+        assert not got.data.flags.writeable  # a read-only map of the file
+    return len(theirs)
+
+
+def test_the_tensor_table_is_gguf_readers_for_the_embedded_file() -> None:
+    from engine_worker.model.loader import embedded_gguf_path
+
+    assert _same_as_gguf_reader(embedded_gguf_path()) == 272
+
+
+def test_the_tensor_table_is_gguf_readers_for_every_type_and_an_alignment(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    w.add_custom_alignment(64)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(3000)])
+    rng = np.random.default_rng(0)
+    Q = gguf.GGMLQuantizationType
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]  # random blocks: the table, not the values
+        blocks = rng.integers(0, 256, (4, 256 // block * size), dtype=np.uint8)
+        w.add_tensor(f"w.{qtype.name}", blocks, raw_dtype=qtype)
+    w.add_tensor("norm", rng.standard_normal(256).astype(np.float32))
+    w.add_tensor("half", rng.standard_normal((3, 8)).astype(np.float16))
+    path = finish(w, tmp_path / "mixed.gguf")
+    assert _same_as_gguf_reader(path) == 10
+
+
+def test_a_tensor_past_the_end_of_the_file_is_a_value_error(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.gguf", 2, "x")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-64])  # the header whole, the tensor's data cut short
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        tensor_table(cut)

@@ -120,34 +120,45 @@ def test_portable_levels_follow_the_cpu_and_the_cap(monkeypatch: pytest.MonkeyPa
     assert kernel_build.portable_levels() == levels
 
 
-def test_a_prebuilt_kernel_loads_without_a_compiler_at_the_best_level(tmp_path: Path) -> None:
-    """What the worker image does: libraries built in its build stage for x86-64-v4 and -v3, a
-    run with no compiler and an empty cache loads the best one this CPU runs (never one it
-    cannot: an AVX2 host gets the -v3 library although the -v4 one lies beside it)."""
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], str]:
+    """group_gemv prebuilt, as the worker image's build stage does, for the best level this CPU
+    runs and one beside it (x86-64-v3 on an AVX512 host, x86-64-v4 on an AVX2-only one)."""
     if kernel_build.compiler_missing() is not None:
         pytest.skip("no C++ compiler: nothing to prebuild")
     levels = kernel_build.portable_levels()
     if not levels:
         pytest.skip("this CPU runs no prebuilt level (not x86-64-v3)")
-    root = tmp_path / "prebuilt"
-    other = "avx512" if levels[0] == "avx2" else "avx2"  # beside it: one this CPU must not take
+    root = tmp_path_factory.mktemp("prebuilt")
+    other = "avx512" if levels[0] == "avx2" else "avx2"
     built = kernel_build.prebuild(root, levels=(levels[0], other), names=("group_gemv",))
     assert len(built) == 2 and all(p.is_file() for p in built)
+    return root, levels, other
+
+
+def test_a_prebuilt_kernel_loads_without_a_compiler_at_the_best_level(
+        prebuilt: tuple[Path, list[str], str], tmp_path: Path) -> None:
+    """What the worker image does: no compiler and an empty cache, the best library this CPU
+    runs is loaded (never one it cannot: an AVX2 host takes the -v3 library although the -v4
+    one lies beside it)."""
+    root, levels, _ = prebuilt
     res = _load_elsewhere(tmp_path / "cache", KESTREL_PREBUILT_KERNELS=str(root))
     assert res.returncode == 0 and res.stdout.strip() == "LOADED", res.stderr[-2000:]
     assert f"the prebuilt {levels[0]} library" in res.stderr
     assert not (tmp_path / "cache" / "kernels").exists()  # nothing compiled, nothing cached
 
 
-def test_a_damaged_prebuilt_kernel_is_refused_not_loaded(tmp_path: Path) -> None:
-    if kernel_build.compiler_missing() is not None:
-        pytest.skip("no C++ compiler: nothing to prebuild")
-    levels = kernel_build.portable_levels()
-    if not levels:
-        pytest.skip("this CPU runs no prebuilt level (not x86-64-v3)")
-    root = tmp_path / "prebuilt"
-    [lib] = kernel_build.prebuild(root, levels=(levels[-1],), names=("group_gemv",))
-    lib.write_bytes(lib.read_bytes()[:4096])
-    res = _load_elsewhere(tmp_path / "cache", KESTREL_PREBUILT_KERNELS=str(root))
+def test_a_damaged_prebuilt_kernel_is_refused_and_the_next_level_served(
+        prebuilt: tuple[Path, list[str], str], tmp_path: Path) -> None:
+    root, levels, other = prebuilt
+    copy = tmp_path / "prebuilt"
+    shutil.copytree(root, copy)
+    best = kernel_build.prebuilt_lib("group_gemv", levels[0], copy)
+    best.write_bytes(best.read_bytes()[:4096])  # as a full disk or a killed copy leaves it
+    res = _load_elsewhere(tmp_path / "cache", KESTREL_PREBUILT_KERNELS=str(copy))
     assert res.returncode == 0, f"the worker died ({res.returncode}): {res.stderr[-2000:]}"
-    assert res.stdout.startswith("UNAVAILABLE") and "prebuilt group_gemv kernel" in res.stderr
+    assert "prebuilt group_gemv kernel" in res.stderr and "is unusable" in res.stderr
+    if other in levels:  # an AVX512 host: the -v3 library beside it serves
+        assert res.stdout.strip() == "LOADED" and f"the prebuilt {other} library" in res.stderr
+    else:  # an AVX2-only host: nothing else it runs, and no compiler: torch's fallback
+        assert res.stdout.startswith("UNAVAILABLE")
