@@ -72,7 +72,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             prefill_rows=self.costs.prefill_rows if prefill_share > 0 else None,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.spec = spec
         self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
@@ -266,7 +266,8 @@ class Engine:
         logprobs: dict[int, list] = {}
         if plain:
             inputs = [SamplerInput(chunks[i].seq.params, chunks[i].seq.output_token_ids,
-                                   chunks[i].seq.generator) for i in plain]
+                                   chunks[i].seq.generator, chunks[i].seq.prompt_token_ids)
+                      for i in plain]
             matchers = [self._matcher(chunks[i].seq) for i in plain]
             allowed = None  # (S, V) bool, only when some row is constrained
             if self.grammars is not None:

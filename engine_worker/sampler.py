@@ -4,10 +4,18 @@ Data flow for one decode step, `Sampler()(logits, inputs)` with logits (B, V), o
 
 1. raw logprobs: `log_softmax` of the logits exactly as the model produced them, only for rows that
    asked for logprobs (see "Logprobs" below).
-2. penalties (all rows, greedy ones included, as in OpenAI/vLLM): for each token t,
+2. adjustments (all rows, greedy ones included, as in OpenAI/vLLM), in this order:
+   penalties: for each token t,
    `logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]`, where count is
-   over this sequence's generated tokens only (never the prompt, never other sequences).
-3. greedy rows (temperature < 1e-5): argmax of the penalized logits. No RNG is touched.
+   over this sequence's generated tokens only (never the prompt, never other sequences);
+   repetition_penalty r (vLLM's, multiplicative): a token seen in the prompt or the output has
+   its logit divided by r where positive, multiplied by r where negative;
+   logit_bias: each listed token's bias added (OpenAI's -100..100: -100 bans, +100 forces);
+   min_tokens: while fewer tokens were generated, the EOS ids (unless ignore_eos) and the
+   request's stop_token_ids are -inf;
+   then the structured-output mask, then min_p (sampled rows): a token whose probability at
+   the row's temperature is below min_p x the most probable one's is -inf.
+3. greedy rows (temperature < 1e-5): argmax of the adjusted logits. No RNG is touched.
 4. sampled rows: divide by temperature, keep the top_k tokens (0 or -1: off), then the nucleus
    (the smallest set of tokens whose probability mass is >= top_p after top-k renormalization,
    never fewer than the top one), then draw by inverse CDF over the surviving candidates only
@@ -44,6 +52,9 @@ filtered distribution the token was drawn from, so a greedy and a sampled reques
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 
 from engine_worker.candidates import candidates
@@ -69,8 +80,19 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_EPS
 
 
+def adjusts_logits(params: SamplingParams) -> bool:
+    """Whether anything but temperature, top-k and top-p changes this row's distribution: a
+    greedy row that does not is the argmax of the raw logits (speculation's fast path)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.logit_bias
+                or params.repetition_penalty != 1.0 or params.min_tokens or params.min_p)
+
+
 class Sampler:
-    """Stateless: all per-sequence state (generator, output tokens) lives in the inputs."""
+    """Stateless: all per-sequence state (generator, output tokens) lives in the inputs. The
+    model's EOS ids are what min_tokens holds back."""
+
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, inputs: list[SamplerInput],
                  allowed: torch.Tensor | None = None) -> list[SampleResult]:
@@ -86,9 +108,10 @@ class Sampler:
         # Raw logprobs are taken before the penalties change `work`, and only for rows that asked.
         raw_lp = torch.log_softmax(work[want_lp], dim=-1) if want_lp else None  # (L, V)
 
-        work = _penalized(work, inputs)  # (B, V)
+        work = self._adjusted(work, inputs)  # (B, V)
         if allowed is not None:  # structured output: a token the grammar forbids is never drawn
             work = torch.where(allowed, work, float("-inf"))  # (B, V) one op, out of place
+        work = _min_p(work, inputs)  # (B, V)
         token_ids = torch.zeros(len(inputs), dtype=torch.long, device=device)  # (B,)
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
@@ -110,7 +133,7 @@ class Sampler:
         Speculative acceptance compares these (target) with a draft's. No RNG is touched."""
         if logits.dim() != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(inputs)} inputs")
-        work = _penalized(logits.float(), inputs)  # (B, V)
+        work = _min_p(self._adjusted(logits.float(), inputs), inputs)  # (B, V)
         out = torch.zeros_like(work)  # (B, V)
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
@@ -120,6 +143,76 @@ class Sampler:
             for cands in candidates(work, sampled, inputs):
                 out[cands.rows] = cands.dense(work.shape[1])  # (C, V)
         return out
+
+
+    def _adjusted(self, work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+        """Step 2 of the module's data flow up to the structured-output mask, out of place."""
+        work = _penalized(work, inputs)
+        work = _repetition(work, inputs)
+        work = _biased(work, inputs)
+        return _held_back(work, inputs, self.eos_token_ids)
+
+
+def _rows(work: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.long, device=work.device),)
+
+
+def _repetition(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+    """vLLM's repetition_penalty over the prompt's and the output's tokens."""
+    rows = [i for i, x in enumerate(inputs) if x.params.repetition_penalty != 1.0]
+    if not rows:
+        return work
+    vocab, device = work.shape[1], work.device
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)  # (P, V + 1)
+    for r, i in enumerate(rows):
+        ids = [*inputs[i].prompt_token_ids, *inputs[i].output_token_ids]
+        if ids:
+            seen[r, torch.tensor(ids, dtype=torch.long, device=device).clamp_(0, vocab)] = True
+    seen = seen[:, :vocab]  # (P, V)
+    penalty = torch.tensor([inputs[i].params.repetition_penalty for i in rows],
+                           device=device).unsqueeze(1)  # (P, 1)
+    w = work[rows]  # (P, V)
+    w = torch.where(seen, torch.where(w > 0, w / penalty, w * penalty), w)
+    return work.index_put(_rows(work, rows), w)
+
+
+def _biased(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+    """logit_bias: one scatter over every (row, token, bias) of the batch."""
+    triples = [(i, t, b) for i, x in enumerate(inputs) for t, b in x.params.logit_bias]
+    if not triples:
+        return work
+    rows, cols, bias = zip(*triples, strict=True)
+    device = work.device
+    return work.index_put((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(bias, dtype=work.dtype, device=device), accumulate=True)
+
+
+def _held_back(work: torch.Tensor, inputs: list[SamplerInput],
+               eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """min_tokens: the ends (EOS unless ignored, stop_token_ids) are -inf until it is reached."""
+    pairs = [(i, t) for i, x in enumerate(inputs)
+             if len(x.output_token_ids) < x.params.min_tokens
+             for t in {*x.params.stop_token_ids,
+                       *(() if x.params.ignore_eos else eos_token_ids)}]
+    if not pairs:
+        return work
+    rows, cols = zip(*pairs, strict=True)
+    device = work.device
+    return work.index_put((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(float("-inf"), dtype=work.dtype, device=device))
+
+
+def _min_p(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+    """min_p on sampled rows: p(t) / p(best) = exp((l_t - l_best) / T) >= min_p, in logits."""
+    rows = [i for i, x in enumerate(inputs) if x.params.min_p > 0 and not is_greedy(x.params)]
+    if not rows:
+        return work
+    device = work.device
+    w = work[rows]  # (P, V)
+    floor = torch.tensor([x.params.temperature * math.log(x.params.min_p)
+                          for x in (inputs[i] for i in rows)], device=device).unsqueeze(1)
+    keep = w >= w.max(dim=-1, keepdim=True).values + floor  # (P, V); the best always kept
+    return work.index_put(_rows(work, rows), torch.where(keep, w, float("-inf")))
 
 
 def _penalized(work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:

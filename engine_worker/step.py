@@ -78,6 +78,7 @@ class SamplerInput:
     params: SamplingParams
     output_token_ids: list[int]  # this sequence's generated tokens so far (for penalties)
     generator: torch.Generator | None  # per-sequence RNG from make_generator, kept by the engine
+    prompt_token_ids: list[int] | tuple[int, ...] = ()  # repetition_penalty counts it too
 
 
 @dataclass

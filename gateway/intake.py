@@ -135,9 +135,6 @@ class Intake:
         cfg = self.cfg
         model = self.model(draft.body.model)
         body, tool_plan, chars, encode = self.prompt_of(draft.body, model.tokenizer)
-        if getattr(body, "logit_bias", None):
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
-                           code="unsupported_parameter")
         max_tokens, fields, stop = body.requested_max_tokens(), body.sampling(), body.stop_list()
         try:
             check_limits(chars, max_tokens, max_prompt_chars=cfg.max_prompt_chars,
@@ -161,8 +158,16 @@ class Intake:
         if max(ids) >= vocab:  # only a prompt sent as token ids can fail this
             raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
                            param="prompt", code="invalid_token_ids")
+        for param, listed in (("logit_bias", [t for t, _ in fields.get("logit_bias", ())]),
+                              ("stop_token_ids", fields.get("stop_token_ids", ()))):
+            if listed and max(listed) >= vocab:
+                raise APIError(400, f"{param} token ids must be below the vocabulary size "
+                               f"({vocab})", param=param, code="invalid_token_ids")
         params = self.sampling(model, len(ids), max_tokens, ROUTES[draft.route].default_max_tokens,
                                **fields)
+        if params.min_tokens > params.max_tokens:
+            raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens "
+                           f"({params.max_tokens})", param="min_tokens", code="invalid_value")
         return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan, getattr(body, "skip_special_tokens", True),

@@ -96,6 +96,10 @@ TOKEN_ID = _int(ge=0, lt=2**32, json_schema_extra=server_bound(exclusiveMaximum=
 SEED = _int(ge=INT64_MIN, le=UINT64_MAX)  # the sampler masks it to 64 bits
 TOP_K = _int(ge=-1, lt=2**31)
 N_CHOICES = _int(ge=1, le=MAX_N)
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_STOP_TOKEN_IDS = 64
+TOKEN_ID_TEXT = r"^[0-9]{1,10}$"
+LOGIT_BIAS_KEY = Annotated[str, Field(pattern=TOKEN_ID_TEXT)]  # a token id, as OpenAI spells it
 LOGPROBS = _int(ge=0, le=MAX_LOGPROBS)
 MAX_TOKENS = _int(ge=1, json_schema_extra=server_bound(maximum="max_tokens"),
                  description="at most the server's cap; the prompt's tokens plus this must fit "
@@ -182,9 +186,16 @@ class _SamplingFields(RequestBase):
     # (<|im_end|>...) written out in the text rather than dropped.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Declared so that it is refused (400), never silently ignored: the worker has no logit bias.
-    logit_bias: Annotated[dict[str, float] | None, Field(json_schema_extra={"maxProperties": 0},
-                          description="not supported: a non-empty map is a 400")] = None
+    # OpenAI's token id -> bias (-100 bans, +100 forces); ids at or past the vocabulary: 400.
+    logit_bias: Annotated[dict[LOGIT_BIAS_KEY, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={
+                              "additionalProperties": False})] | None = None
+    # vLLM's sampler extensions (engine_worker/sampler.py says how each applies).
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    min_tokens: _int(ge=0, json_schema_extra=server_bound(maximum="max_tokens"), description=(
+        "no EOS nor stop_token_ids before this many tokens; at most max_tokens (400)")) = 0
+    stop_token_ids: Annotated[list[TOKEN_ID], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # Structured output (gateway/structured.py): OpenAI's response_format and vLLM's extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | bool | None = None
@@ -203,7 +214,10 @@ class _SamplingFields(RequestBase):
 
     def sampling(self) -> dict[str, Any]:
         return dict(super().sampling(), n=self.n, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked())
+                    frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
+                    min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                    min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
+                    logit_bias=sorted((int(t), b) for t, b in (self.logit_bias or {}).items()))
 
 
 class CompletionRequest(_SamplingFields):

@@ -44,6 +44,11 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: logits of tokens in the prompt or the output divided by it (multiplied if < 0)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # tokens less probable than min_p x the top one are never drawn
+    min_tokens: int = 0  # no EOS nor stop_token_ids before this many tokens
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) pairs
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and k top ones

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from engine_worker.sampler import Sampler, is_greedy
+from engine_worker.sampler import Sampler, adjusts_logits, is_greedy
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.acceptance import accept
 from engine_worker.step import SamplerInput, ScheduledChunk
@@ -137,7 +137,7 @@ class SpecDecoder:
             for j in range(len(drafts) + 1):
                 # Penalties at draft position j count the drafts before it as outputs.
                 inputs.append(SamplerInput(seq.params, seq.output_token_ids + drafts[:j],
-                                           seq.generator))
+                                           seq.generator, seq.prompt_token_ids))
         flat = sampler.probs(logits, inputs)  # (sum(1 + n_i), V)
         vocab = flat.shape[1]
         p = flat.new_zeros(n, width + 1, vocab)  # (N, K + 1, V)
@@ -193,4 +193,4 @@ class SpecDecoder:
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    return is_greedy(p) and not (p.presence_penalty or p.frequency_penalty)
+    return is_greedy(p) and not adjusts_logits(p)

@@ -128,7 +128,7 @@ class DraftModelProposer:
               drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """Draw the next draft of each live sequence from its processed draft distribution."""
         inputs = [SamplerInput(seqs[i].params, seqs[i].output_token_ids + drafts[i],
-                               seqs[i].generator) for i in live]
+                               seqs[i].generator, seqs[i].prompt_token_ids) for i in live]
         q = self.sampler.probs(logits, inputs)  # (L, V)
         for r, i in enumerate(live):
             seq = seqs[i]

@@ -71,6 +71,24 @@ def test_ngram_greedy_equals_plain_decoding(tiny_runner: ModelRunner) -> None:
     assert stats.generated_tokens == 3 * 40
 
 
+@pytest.mark.parametrize("controls", [
+    {"repetition_penalty": 1.3}, {"min_tokens": 30, "ignore_eos": False},
+    {"min_p": 0.2, "logit_bias": [(7, 3.0), (11, -100.0)]},
+], ids=["repetition", "min-tokens", "min-p-bias"])
+def test_the_sampler_controls_keep_speculation_lossless(tiny_runner: ModelRunner,
+                                                        controls: dict) -> None:
+    """Issue 40: a control that changes the distribution is applied to the verified positions
+    as to a plain step (greedy ones leave the raw-argmax fast path), so the greedy text is the
+    same with and without n-gram speculation, and speculation still ran. (A sampled row's draws
+    differ with speculation by design, see sampler.py; its acceptance compares Sampler.probs,
+    which applies the same controls: tests/engine_worker/test_sampler_controls.py.)"""
+    gens = [gen(f"r{i}", repetitive_prompt(i), **controls) for i in range(2)]
+    plain = run(engine(tiny_runner, None), gens)
+    spec_engine = engine(tiny_runner, NgramProposer())
+    assert run(spec_engine, gens) == plain
+    assert spec_engine.stats().spec_verify_steps > 0
+
+
 def test_target_as_its_own_draft_accepts_everything(tiny_runner: ModelRunner,
                                                      draft_runner: ModelRunner) -> None:
     gens = [gen("g", repetitive_prompt(5), 30),

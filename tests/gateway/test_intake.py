@@ -127,7 +127,13 @@ def test_the_cache_salt_is_the_keys_tenant(intake: Intake) -> None:
 
 @pytest.mark.parametrize("route, data, status, code", [
     ("completions", {"prompt": ["a", "b"]}, 422, "invalid_value"),
-    ("completions", {"prompt": "a", "logit_bias": {"1": 2.0}}, 400, "unsupported_parameter"),
+    ("completions", {"prompt": "a", "logit_bias": {"1000000": 2.0}}, 400, "invalid_token_ids"),
+    ("completions", {"prompt": "a", "stop_token_ids": [1000000]}, 400, "invalid_token_ids"),
+    ("completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "invalid_value"),
+    ("completions", {"prompt": "a", "logit_bias": {"1": 101.0}}, 422, "invalid_value"),
+    ("completions", {"prompt": "a", "logit_bias": {"one": 1.0}}, 422, "invalid_value"),
+    ("completions", {"prompt": "a", "min_p": 1.5}, 422, "invalid_value"),
+    ("completions", {"prompt": "a", "repetition_penalty": 0}, 422, "invalid_value"),
     ("completions", {"prompt": "x" * 301}, 422, "invalid_value"),
     ("completions", {"prompt": "a", "max_tokens": 101}, 422, "invalid_value"),
     ("completions", {"prompt": [1, 10**9]}, 400, "invalid_token_ids"),
