@@ -47,6 +47,8 @@ class WorkerConfig:
     model_id: str = setting("", "names the model is served as: the first is its id, the others "
                             "aliases requests may use (default: from the checkpoint or the "
                             "GGUF file's name)", flags=("--served-model-name",), repeat="extend")
+    chat_template: str = setting("", "a Jinja chat template file that replaces the model's "
+                                 "(sent to the gateway in the Hello; vLLM's --chat-template)")
     cache_dir: str = setting(default_cache_dir(), "where converted checkpoints are kept")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1 ...")
     dtype: str = setting("auto", "weights and activations dtype: " + ", ".join(DTYPES) +
@@ -156,6 +158,8 @@ class WorkerConfig:
             raise ValueError("step_prefill_share must be in [0, 1), step_floor_ms >= 0")
         if bool(self.link_secret_key) != bool(self.link_gateway_key):
             raise ValueError("link_secret_key and link_gateway_key go together")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: no file {self.chat_template!r}")
         for name in ("link_secret_key", "link_gateway_key"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ValueError(f"{name} {getattr(self, name)!r} is not a file")

@@ -195,6 +195,8 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
 
     names = served_names(cfg.model, checkpoint, cfg.served_names())
     info = tokenizer_info(checkpoint)
+    if cfg.chat_template:  # the operator's template over the model's
+        info = replace(info, chat_template=Path(cfg.chat_template).read_text(encoding="utf-8"))
     return m.Hello(
         protocol_version=m.PROTOCOL_VERSION,
         worker_id=new_worker_id(),

@@ -168,6 +168,21 @@ def _message_for_template(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _up_to_final(text: str, final: Mapping[str, Any]) -> str:
+    """The rendered text cut just after the final message's own text (its last occurrence)."""
+    content = str(final.get("content") or "").strip()
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise ChatTemplateError("continue_final_message: the template does not write the final "
+                                "message's text")
+    return text[: end + len(content)]
+
+
+# What the server passes every template itself: a request's chat_template_kwargs may not set them
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                      "eos_token")
+
+
 class ChatTemplate:
     """One model's compiled chat template. Raises jinja2.TemplateError if it does not compile."""
 
@@ -201,12 +216,20 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         max_chars: int | None = None,
         timeout_s: float | None = None,
+        extra: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """The prompt text; ChatTemplateError (RenderedPromptTooLong past `max_chars`) else."""
+        """The prompt text; ChatTemplateError (RenderedPromptTooLong past `max_chars`) else.
+        `extra`: more variables for the template (a request's chat_template_kwargs, such as
+        enable_thinking), never one of those the server sets. `continue_final_message`: the
+        text ends with the last message's own text, the template's end of that turn cut."""
         if self.broken:
             raise ChatTemplateError(self.broken)
         if not messages:
             raise ChatTemplateError("a conversation needs at least one message")
+        taken = sorted(set(extra or ()) & {*TEMPLATE_VARIABLES, *self._special})
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
         chat = [_message_for_template(m) for m in messages]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         previous = sys.gettrace()
@@ -229,6 +252,7 @@ class ChatTemplate:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special,
+                **(extra or {}),
             ):
                 pieces.append(piece)
                 size += len(piece)
@@ -236,7 +260,8 @@ class ChatTemplate:
                     raise RenderedPromptTooLong(
                         f"the rendered prompt is over {max_chars} characters (the chat template "
                         "adds text around every message, including empty ones)")
-            return "".join(pieces)
+            text = "".join(pieces)
+            return _up_to_final(text, chat[-1]) if continue_final_message else text
         except ChatTemplateError:
             raise
         except _TemplateLate:

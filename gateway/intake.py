@@ -193,10 +193,16 @@ class Intake:
                         for text in ([msg.content] if isinstance(msg.content, str)
                                      else [part.text for part in msg.content or []])]
 
+            if body.continue_final_message and body.add_generation_prompt:
+                raise APIError(400, "continue_final_message needs add_generation_prompt false",
+                               param="continue_final_message", code="invalid_value")
+
             def chat(tok: GatewayTokenizer) -> list[int]:
                 # max_prompt_chars counts the messages' text; the rendering is bounded too.
-                text = tok.apply_chat_template(messages, tools=tools, max_chars=limit,
-                                               timeout_s=timeout)
+                text = tok.apply_chat_template(
+                    messages, body.add_generation_prompt, tools=tools, max_chars=limit,
+                    timeout_s=timeout, extra=body.chat_template_kwargs,
+                    continue_final_message=body.continue_final_message)
                 return tok.encode_chat(text, contents)
 
             return body, tool_plan, chars, chat

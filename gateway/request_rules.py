@@ -10,7 +10,8 @@ routes' own checks, and their 400s, stay where they are):
     /tokenize: a prompt or messages, exactly one
 
 What no schema can say is left to the fields' descriptions: whether a regex, grammar or JSON
-schema compiles, whether a named tool is among the tools.
+schema compiles, whether a named tool is among the tools; and continue_final_message's need of
+add_generation_prompt false (said in JSON Schema, it left schemathesis unable to draw a chat).
 """
 
 from __future__ import annotations

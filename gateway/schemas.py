@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gateway.chat_template import TEMPLATE_VARIABLES
 from gateway.errors import LIMIT_ERROR
 from gateway.output_schemas import (
     ResponseFormat,
@@ -270,6 +271,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MAX_TOKENS | None = None
     logprobs: bool = False
     top_logprobs: LOGPROBS | None = None
+    # vLLM's chat template controls: no assistant turn opened after the messages, the last
+    # message continued (its end of turn cut), more variables for the template.
+    add_generation_prompt: bool = True
+    continue_final_message: Annotated[bool, Field(description=(
+        "the last message is continued: needs add_generation_prompt false (400)"))] = False
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32, json_schema_extra={
+        "propertyNames": {"not": {"enum": list(TEMPLATE_VARIABLES)}}})] | None = None
     # Tools (gateway/tools.py): rendered into the prompt, calls parsed from the output.
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None

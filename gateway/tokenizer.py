@@ -199,9 +199,14 @@ class GatewayTokenizer:
         tools: list[dict[str, Any]] | None = None,
         max_chars: int | None = None,
         timeout_s: float | None = None,
+        extra: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text for an OpenAI-style conversation, as transformers would render it;
-        `tools` as transformers passes them (OpenAI's list of {"type": "function", ...}).
+        `tools` as transformers passes them (OpenAI's list of {"type": "function", ...});
+        `extra`, more template variables; `continue_final_message`: the text ends inside the
+        last (assistant) message, without the template's end of its turn, so that the model
+        goes on writing it (vLLM's and transformers' meaning).
 
         Raises ChatTemplateError (a ValueError: a 400) when the model has no usable template, a
         message is malformed, the template rejects the conversation, the rendered text passes
@@ -210,7 +215,8 @@ class GatewayTokenizer:
         if self._template is None:
             raise ChatTemplateError(self._template_error or "no chat template")
         return self._template.render(messages, add_generation_prompt, tools=tools,
-                                     max_chars=max_chars, timeout_s=timeout_s)
+                                     max_chars=max_chars, timeout_s=timeout_s, extra=extra,
+                                     continue_final_message=continue_final_message)
 
 
 def _find(text: str, content: str, at: int) -> tuple[int, int]:

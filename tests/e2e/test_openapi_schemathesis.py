@@ -92,7 +92,7 @@ def _beyond_a_schema(status: int, error: dict[str, Any]) -> bool:
             or "not among the tools" in str(error.get("message"))
             # min_tokens above this request's max_tokens: JSON Schema cannot compare two fields;
             # a logit_bias key past the vocabulary: it bounds a map's keys by pattern, not value
-            or (status == 400 and error.get("param") == "min_tokens")
+            or (status == 400 and error.get("param") in ("min_tokens", "continue_final_message"))
             or (error.get("param") == "logit_bias" and error.get("code") == "invalid_token_ids"))
 
 
