@@ -154,6 +154,9 @@ class Intake:
             raise too_many_requests(str(exc), "server_busy", 1.0) from None
         if not ids:
             raise APIError(422, "the prompt has no tokens", param="prompt", code="invalid_value")
+        keep = getattr(body, "truncate_prompt_tokens", None)
+        if keep is not None:  # left truncation: the end of a prompt is what it asks
+            ids = ids[-(model.hello.max_model_len if keep == -1 else keep):]
         vocab = model.tokenizer.vocab_size
         if max(ids) >= vocab:  # only a prompt sent as token ids can fail this
             raise APIError(400, f"prompt token ids must be below the vocabulary size ({vocab})",
@@ -210,6 +213,17 @@ class Intake:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]  # a batch of one (the schema refuses more)
             body = body.model_copy(update={"prompt": prompt})
+        suffix = getattr(body, "suffix", None)
+        if suffix is not None:  # fill in the middle: the prompt is the code before the hole
+            if not isinstance(prompt, str):
+                raise APIError(400, "suffix needs a text prompt, not token ids", param="suffix",
+                               code="invalid_value")
+            if tokenizer.fim_ids() is None:
+                raise APIError(400, f"model {body.model or 'served'!r} has no fill-in-the-middle "
+                               "tokens (such as <|fim_prefix|>): suffix is not supported",
+                               param="suffix", code="unsupported_parameter")
+            return (body, None, len(prompt) + len(suffix),
+                    lambda tok: tok.encode_fim(prompt, suffix))
         if isinstance(prompt, str):
             return body, None, len(prompt), lambda tok: tok.encode(prompt)
         return body, None, len(prompt), lambda tok: list(prompt)
@@ -255,6 +269,7 @@ def prompt_chars(body: Any) -> int:
     if isinstance(body, ChatCompletionRequest):
         return sum(len(msg.text()) for msg in body.messages)
     prompt = body.prompt
+    suffix = len(getattr(body, "suffix", None) or "")  # fill in the middle: both sides count
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return sum(len(p) for p in prompt)
-    return len(prompt)
+        return sum(len(p) for p in prompt) + suffix
+    return len(prompt) + suffix

@@ -197,6 +197,8 @@ class _SamplingFields(RequestBase):
     min_tokens: _int(ge=0, json_schema_extra=server_bound(maximum="max_tokens"), description=(
         "no EOS nor stop_token_ids before this many tokens; at most max_tokens (400)")) = 0
     stop_token_ids: Annotated[list[TOKEN_ID], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # vLLM's: only the prompt's last k tokens are kept (-1: the model's context)
+    truncate_prompt_tokens: _int(ge=1) | Literal[-1] | None = None
     # Structured output (gateway/structured.py): OpenAI's response_format and vLLM's extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | bool | None = None
@@ -235,6 +237,10 @@ class CompletionRequest(_SamplingFields):
     max_tokens: MAX_TOKENS | None = None
     echo: bool = False
     logprobs: LOGPROBS | None = None
+    suffix: Annotated[str, Field(json_schema_extra=server_bound(maxLength="max_prompt_chars"),
+                                 description=(
+        "fill in the middle: the text after the hole, the prompt the text before it; for "
+        "models with FIM tokens (Qwen2.5-Coder's <|fim_prefix|>...), else 400"))] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

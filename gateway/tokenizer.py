@@ -144,6 +144,28 @@ class GatewayTokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None."""
+        for names in FIM_SPELLINGS:
+            ids = [self.added_token_id(name) for name in names]
+            if all(i is not None for i in ids):
+                return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+        return None
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt in the prefix-suffix-middle order these models were
+        trained on: <prefix> text <suffix> text <middle>; the two texts tokenized as text (a
+        control token's spelling in the code stays text). ValueError without FIM tokens."""
+        fim = self.fim_ids()
+        if fim is None:
+            raise ValueError("this model has no fill-in-the-middle tokens")
+        as_text = self._text_tokenizer()
+        ids = [fim[0], *as_text.encode(prefix, add_special_tokens=False).ids,
+               fim[1], *as_text.encode(suffix, add_special_tokens=False).ids, fim[2]]
+        if self._info.add_bos_token and self._bos_id is not None:
+            ids.insert(0, self._bos_id)
+        return ids
+
     def encode_chat(self, text: str, contents: Sequence[str]) -> list[int]:
         """Token ids of a rendered chat prompt `text` whose messages said `contents`: as
         encode(text, add_special_tokens=False), except that a control token's spelling inside a
@@ -217,6 +239,11 @@ class GatewayTokenizer:
         return self._template.render(messages, add_generation_prompt, tools=tools,
                                      max_chars=max_chars, timeout_s=timeout_s, extra=extra,
                                      continue_final_message=continue_final_message)
+
+
+# Fill-in-the-middle token spellings: Qwen2.5-Coder's, then StarCoder's (and its followers')
+FIM_SPELLINGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+                 ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 
 
 def _find(text: str, content: str, at: int) -> tuple[int, int]:

@@ -89,3 +89,21 @@ def smollm_server(smollm2_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc]]
                                          "--model-id", "SmolLM2-135M-Instruct") as wk:
         gw.wait_ready(timeout=180)
         yield gw, wk
+
+
+QWEN_GGUF = cache_dir_from_env() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def qwen_server() -> Iterator[GatewayProc]:
+    """A gateway and one worker on the real Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K_M), served as
+    `kestrel serve FILE` does (its own blocks, default flags), shared by the session. Skipped when
+    the file is not in the cache's gguf/ folder (`python benchmarks/fetch_qwen_gguf.py --only
+    0.5b` puts it there)."""
+    if not QWEN_GGUF.is_file():
+        pytest.skip(f"{QWEN_GGUF} is not there")
+    with GatewayProc() as gw, WorkerProc(QWEN_GGUF, gw.engine_address, "--model-id", QWEN_MODEL,
+                                         "--threads", "1"):
+        gw.wait_ready(timeout=300)
+        yield gw

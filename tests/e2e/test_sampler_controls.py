@@ -91,6 +91,16 @@ def test_repetition_penalty_changes_a_repetitive_greedy_text(client: openai.Open
         assert word not in penalized.choices[0].text.split()[:1]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI) -> None:
+    full = greedy(client, 1)
+    kept = tokens(client, PROMPT)[-3:]  # "France is" and the space before it, or so
+    cut = greedy(client, 4, truncate_prompt_tokens=3)
+    assert full.usage is not None and cut.usage is not None
+    assert full.usage.prompt_tokens > 3 and cut.usage.prompt_tokens == 3
+    alone = client.completions.create(model=MODEL, prompt=kept, max_tokens=4, temperature=0)
+    assert cut.choices[0].text == alone.choices[0].text  # as if only those were sent
+
+
 def test_bad_controls_get_the_openai_error_shape(client: openai.OpenAI) -> None:
     for extra, status, param in (({"min_tokens": 9}, 400, "min_tokens"),
                                  ({"stop_token_ids": [10**6]}, 400, "stop_token_ids"),

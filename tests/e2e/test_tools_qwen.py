@@ -4,25 +4,19 @@ own chat template, and asked for the weather it calls get_weather, answered as t
 finish_reason "tool_calls", streamed and not; the tool's result then goes back through the
 template as a `tool` turn.
 
-Skipped when the file is not in the cache's gguf/ folder (`python benchmarks/fetch_qwen_gguf.py
---only 0.5b` puts it there). The worker serves the file as `kestrel serve FILE` does, from its
-own Q5_0/Q8_0/Q4_K/Q6_K blocks (default flags). A request takes a few seconds.
+Skipped when the file is not in the cache's gguf/ folder (tests/conftest.py's qwen_server).
+A request takes a few seconds.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
 
-from engine_worker.config import cache_dir_from_env
-from tests.procs import GatewayProc, WorkerProc
-
-GGUF = cache_dir_from_env() / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-MODEL = "qwen2.5-coder-0.5b-instruct"
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not there")
+from tests.conftest import QWEN_MODEL as MODEL
+from tests.procs import GatewayProc
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -32,12 +26,9 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    with GatewayProc() as gw, WorkerProc(GGUF, gw.engine_address, "--model-id", MODEL,
-                                         "--threads", "1"):
-        gw.wait_ready(timeout=300)
-        yield openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0,
-                            timeout=120)
+def client(qwen_server: GatewayProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=qwen_server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
 
 
 def test_asked_for_the_weather_it_calls_get_weather(client: openai.OpenAI) -> None:
