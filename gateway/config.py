@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from common.settings import setting
+from gateway.reasoning import PARSERS
 from gateway.router import ROUTING_POLICIES
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
@@ -51,6 +52,10 @@ class GatewayConfig:
         0, "longest prompt a chat template may render, in characters (0: 2 x max_prompt_chars "
         "+ 4096, room for the template's own scaffolding)")
     template_timeout_s: float = setting(2.0, "longest a chat template may take to render")
+    reasoning_parser: str = setting("", "return a reasoning model's <think>...</think> apart "
+                                    "from its answer, as reasoning_content and reasoning: "
+                                    "deepseek_r1 (the template opens it) or qwen3 (the model "
+                                    "does); empty: off")
     heartbeat_timeout_s: float = setting(1.5, "a worker silent this long is lost")
     link_secret_key: str = setting("", "the gateway's CURVE secret certificate (NAME.key_secret "
                                    "from kestrel-keygen); with --link-authorized-keys turns "
@@ -87,6 +92,8 @@ class GatewayConfig:
                      "sse_keepalive_s", "template_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.reasoning_parser and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)} (or empty)")
         if self.max_rendered_prompt_chars < 0:
             raise ValueError("max_rendered_prompt_chars must be >= 0")
         if not 0 <= self.api_server_index < self.api_server_count:

@@ -9,10 +9,13 @@ stream equals the text of the non-streamed answer for the same request.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from gateway.generation import ChoiceEvent, Generation
 from gateway.intake import EngineRequest
+from gateway.reasoning import Reasoning, split
+from gateway.reasoning import fields as reasoning_fields
 
 
 class Formatter:
@@ -129,6 +132,9 @@ class ChatFormatter(Formatter):
         super().__init__(req, gen)
         self.tool_streams = [self.tool_plan.stream() for _ in range(gen.params.n)] \
             if self.tool_plan else []
+        self.parser = req.reasoning_parser
+        self.thinking = [Reasoning(self.parser) for _ in range(gen.params.n)] \
+            if self.parser else []
 
     def _logprobs(self, entries: list[list]) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -144,10 +150,14 @@ class ChatFormatter(Formatter):
     def response(self) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.params.n):
-            message: dict[str, Any] = {"role": "assistant", "content": self.text(i)}
+            reasoning, text = split(self.parser, self.text(i)) if self.parser \
+                else (None, self.text(i))
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = self.gen.finish_reasons[i]
             if self.tool_plan is not None:  # tool calls parsed out of the text
-                message, finish = self.tool_plan.message(self.text(i), finish)
+                message, finish = self.tool_plan.message(text, finish)
+            if reasoning is not None:
+                message.update(reasoning_fields(reasoning))
             choices.append({"index": i, "message": message,
                             "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion", "created": self.created,
@@ -160,12 +170,22 @@ class ChatFormatter(Formatter):
                 for i in range(self.body.n)]
 
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        thoughts: list[dict[str, Any]] = []
+        if self.parser:  # the thinking goes out as its own deltas, the rest as the event's text
+            r = self.thinking[event.index]
+            pieces = r.feed(event.text) + (r.finish() if event.finish_reason is not None else [])
+            thoughts = [self._chunk([{"index": event.index, "delta": reasoning_fields(text),
+                                      "logprobs": None, "finish_reason": None}])
+                        for field, text in pieces if field == "reasoning"]
+            event = replace(event, text="".join(t for f, t in pieces if f == "content"))
         if self.tool_plan is not None:
-            return self._tool_stream_event(event)
+            return thoughts + self._tool_stream_event(event)
+        if thoughts and not event.text and event.finish_reason is None:
+            return thoughts  # no empty content delta beside them
         choice = {"index": event.index, "delta": {"content": event.text},
                   "logprobs": self._logprobs(event.logprobs or []),
                   "finish_reason": event.finish_reason}
-        return [self._chunk([choice], **self._final_extras(event))]
+        return thoughts + [self._chunk([choice], **self._final_extras(event))]
 
     def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         """Content passes through; tool calls are sent as tool_calls deltas when the choice

@@ -95,6 +95,7 @@ class EngineRequest:
     tool_plan: ToolPlan | None = None  # chat with callable tools (gateway/tools.py)
     skip_special_tokens: bool = True  # in the text: special tokens dropped
     include_stop: bool = False  # in the text: the matched stop string kept
+    reasoning_parser: str = ""  # a chat's <think> returned apart (gateway/reasoning.py)
 
 
 def parse_body(schema: type[RequestBase], data: Any) -> Any:
@@ -174,7 +175,8 @@ class Intake:
         return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan, getattr(body, "skip_special_tokens", True),
-                             getattr(body, "include_stop_str_in_output", False))
+                             getattr(body, "include_stop_str_in_output", False),
+                             cfg.reasoning_parser if draft.route == "chat" else "")
 
     def prompt_of(self, body: Any, tokenizer: GatewayTokenizer
                 ) -> tuple[Any, ToolPlan | None, int, Encode]:
@@ -215,9 +217,6 @@ class Intake:
             body = body.model_copy(update={"prompt": prompt})
         suffix = getattr(body, "suffix", None)
         if suffix is not None:  # fill in the middle: the prompt is the code before the hole
-            if not isinstance(prompt, str):
-                raise APIError(400, "suffix needs a text prompt, not token ids", param="suffix",
-                               code="invalid_value")
             if tokenizer.fim_ids() is None:
                 raise APIError(400, f"model {body.model or 'served'!r} has no fill-in-the-middle "
                                "tokens (such as <|fim_prefix|>): suffix is not supported",

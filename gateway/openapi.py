@@ -120,11 +120,27 @@ def server_figures(cfg: GatewayConfig, registry: Registry) -> dict[str, Any]:
         names = [name for e in models for name in (e.model_id, *e.hello.aliases)]
         figures["model"] = [None, "", *dict.fromkeys(names)]  # absent or "": the first model
         figures["vocab_size"] = max(e.tokenizer.vocab_size for e in models)
+        figures["token_id_pattern"] = integers_below(figures["vocab_size"])
         # A prompt has at least one token, and with max_tokens it must fit the context.
         context = max(e.hello.max_model_len for e in models)
         figures["max_tokens"] = max(1, min(cfg.max_tokens_cap, context - 1))
         figures["max_prompt_ids"] = max(1, min(cfg.max_prompt_chars, context - 1))
     return figures
+
+
+def integers_below(n: int) -> str:
+    """A regex of the decimal integers 0 .. n-1 written without leading zeros (n >= 1): a map
+    keyed by token ids (logit_bias) can bound its keys only by pattern."""
+    top = str(n - 1)
+    alternatives = ["0"]
+    if len(top) > 1:  # every number with fewer digits than n - 1
+        alternatives.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for i, digit in enumerate(top):  # same length: below n - 1 from digit i on
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            alternatives.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    alternatives.append(top)
+    return "^(" + "|".join(dict.fromkeys(alternatives)) + ")$"
 
 
 def with_figures(node: Any, figures: dict[str, Any]) -> Any:

@@ -190,7 +190,9 @@ class _SamplingFields(RequestBase):
     # OpenAI's token id -> bias (-100 bans, +100 forces); ids at or past the vocabulary: 400.
     logit_bias: Annotated[dict[LOGIT_BIAS_KEY, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={
-                              "additionalProperties": False})] | None = None
+                              "additionalProperties": False, "propertyNames": {
+                                  "pattern": TOKEN_ID_TEXT,
+                                  **server_bound(pattern="token_id_pattern")}})] | None = None
     # vLLM's sampler extensions (engine_worker/sampler.py says how each applies).
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
@@ -261,6 +263,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    # An earlier answer's thinking, under either name, sent back as clients do: accepted, and
+    # dropped from the prompt as vLLM and the reasoning models' own templates drop it.
+    reasoning_content: str | None = Field(default=None, exclude=True)
+    reasoning: str | None = Field(default=None, exclude=True)
 
     def text(self) -> str:
         if self.content is None:

@@ -152,16 +152,19 @@ class GatewayTokenizer:
                 return ids[0], ids[1], ids[2]  # type: ignore[return-value]
         return None
 
-    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+    def encode_fim(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
         """A fill-in-the-middle prompt in the prefix-suffix-middle order these models were
-        trained on: <prefix> text <suffix> text <middle>; the two texts tokenized as text (a
-        control token's spelling in the code stays text). ValueError without FIM tokens."""
+        trained on: <prefix> text <suffix> text <middle>; the texts tokenized as text (a
+        control token's spelling in the code stays text), a prefix given as token ids kept.
+        ValueError without FIM tokens."""
         fim = self.fim_ids()
         if fim is None:
             raise ValueError("this model has no fill-in-the-middle tokens")
         as_text = self._text_tokenizer()
-        ids = [fim[0], *as_text.encode(prefix, add_special_tokens=False).ids,
-               fim[1], *as_text.encode(suffix, add_special_tokens=False).ids, fim[2]]
+        before = as_text.encode(prefix, add_special_tokens=False).ids \
+            if isinstance(prefix, str) else list(prefix)
+        ids = [fim[0], *before, fim[1], *as_text.encode(suffix, add_special_tokens=False).ids,
+               fim[2]]
         if self._info.add_bos_token and self._bos_id is not None:
             ids.insert(0, self._bos_id)
         return ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -28,6 +29,11 @@ def test_a_suffix_fills_the_middle(qwen_server: GatewayProc) -> None:
     streamed = client.completions.create(model=QWEN_MODEL, prompt=PREFIX, suffix=SUFFIX,
                                          max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == middle
+    ids = httpx.post(qwen_server.base_url + "/tokenize", timeout=30, json={
+        "model": QWEN_MODEL, "prompt": PREFIX, "add_special_tokens": False}).json()["tokens"]
+    as_ids = client.completions.create(model=QWEN_MODEL, prompt=ids, suffix=SUFFIX,
+                                       max_tokens=8, temperature=0)
+    assert as_ids.choices[0].text == middle  # a prefix sent as token ids is the same prefix
 
 
 def test_a_model_without_fim_tokens_answers_400(smollm_server: Any) -> None:
