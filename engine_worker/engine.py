@@ -93,6 +93,9 @@ class Engine:
         if any(t < 0 or t >= vocab for t in gen.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params = gen.params
+        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if any(t < 0 or t >= vocab for t in named):  # the gateway checked its tokenizer's size
+            raise ValueError(f"logit_bias and stop_token_ids ids must be in [0, {vocab})")
         if gen.grammar is not None and self.grammars is None:
             raise ValueError("this worker does not support structured output")
         if gen.grammar is not None:

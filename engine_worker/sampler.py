@@ -108,10 +108,16 @@ class Sampler:
         # Raw logprobs are taken before the penalties change `work`, and only for rows that asked.
         raw_lp = torch.log_softmax(work[want_lp], dim=-1) if want_lp else None  # (L, V)
 
-        work = self._adjusted(work, inputs)  # (B, V)
+        adjusted = self._adjusted(work, inputs)  # (B, V)
         if allowed is not None:  # structured output: a token the grammar forbids is never drawn
-            work = torch.where(allowed, work, float("-inf"))  # (B, V) one op, out of place
-        work = _min_p(work, inputs)  # (B, V)
+            masked = torch.where(allowed, adjusted, float("-inf"))  # (B, V) one op, out of place
+            dead = ~torch.isfinite(masked).any(dim=-1)  # (B,)
+            if bool(dead.any()):  # the grammar allows only the end that min_tokens holds back:
+                loose = torch.where(allowed, self._adjusted(work, inputs, hold=False),
+                                    float("-inf"))  # the grammar wins: it may end
+                masked = torch.where(dead.unsqueeze(1), loose, masked)
+            adjusted = masked
+        work = _min_p(adjusted, inputs)  # (B, V)
         token_ids = torch.zeros(len(inputs), dtype=torch.long, device=device)  # (B,)
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
@@ -145,12 +151,14 @@ class Sampler:
         return out
 
 
-    def _adjusted(self, work: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
-        """Step 2 of the module's data flow up to the structured-output mask, out of place."""
+    def _adjusted(self, work: torch.Tensor, inputs: list[SamplerInput],
+                  hold: bool = True) -> torch.Tensor:
+        """Step 2 of the module's data flow up to the structured-output mask, out of place;
+        `hold` False: without min_tokens (for a row whose grammar allows only its end)."""
         work = _penalized(work, inputs)
         work = _repetition(work, inputs)
         work = _biased(work, inputs)
-        return _held_back(work, inputs, self.eos_token_ids)
+        return _held_back(work, inputs, self.eos_token_ids) if hold else work
 
 
 def _rows(work: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor]:

@@ -168,16 +168,18 @@ def _message_for_template(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _up_to_final(text: str, final: Mapping[str, Any]) -> str:
-    """The rendered text cut just after the final message's own text (its last occurrence)."""
-    content = str(final.get("content") or "").strip()
-    end = text.rfind(content) if content else -1
-    if end < 0:
+def _up_to_final(text: str, final: str) -> str:
+    """The text rendered with FINAL_MARKER for the final message's text, cut where the marker
+    starts and the text written there: whatever the template writes after it (its end of the
+    turn) is gone, and no lookalike in the template's own text can be taken for it."""
+    at = text.find(FINAL_MARKER)
+    if at < 0:
         raise ChatTemplateError("continue_final_message: the template does not write the final "
-                                "message's text")
-    return text[: end + len(content)]
+                                "message's text as it is")
+    return text[:at] + final.rstrip()
 
 
+FINAL_MARKER = "kestrelfinalmessage7f3a9c"  # letters only: no template filter changes it
 # What the server passes every template itself: a request's chat_template_kwargs may not set them
 TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
                       "eos_token")
@@ -231,6 +233,9 @@ class ChatTemplate:
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
         chat = [_message_for_template(m) for m in messages]
+        final = str(chat[-1].get("content") or "")
+        if continue_final_message:  # rendered with a marker where its text goes, cut there
+            chat[-1] = {**chat[-1], "content": FINAL_MARKER}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         previous = sys.gettrace()
         if deadline is not None:
@@ -261,11 +266,11 @@ class ChatTemplate:
                         f"the rendered prompt is over {max_chars} characters (the chat template "
                         "adds text around every message, including empty ones)")
             text = "".join(pieces)
-            return _up_to_final(text, chat[-1]) if continue_final_message else text
+            return _up_to_final(text, final) if continue_final_message else text
         except ChatTemplateError:
             raise
         except _TemplateLate:
-            size = len(repr(chat)) + len(repr(tools or ""))
+            size = len(repr(chat)) + len(repr(tools or "")) + len(repr(extra or ""))
             if size <= SMALL_CHARS and timeout_s is not None and timeout_s >= PROBE_TIMEOUT_S:
                 # not this conversation's size, nor a tight bound: the template itself
                 self.broken = (f"this model's chat template took over {timeout_s} s on a "

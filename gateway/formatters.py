@@ -174,14 +174,16 @@ class ChatFormatter(Formatter):
         if self.parser:  # the thinking goes out as its own deltas, the rest as the event's text
             r = self.thinking[event.index]
             pieces = r.feed(event.text) + (r.finish() if event.finish_reason is not None else [])
-            thoughts = [self._chunk([{"index": event.index, "delta": reasoning_fields(text),
-                                      "logprobs": None, "finish_reason": None}])
-                        for field, text in pieces if field == "reasoning"]
+            thoughts = [{"index": event.index, "delta": reasoning_fields(text), "logprobs": None,
+                         "finish_reason": None} for field, text in pieces if field == "reasoning"]
             event = replace(event, text="".join(t for f, t in pieces if f == "content"))
+            if thoughts and not event.text and event.finish_reason is None:
+                # no empty content delta beside them: the tokens' logprobs go with the thinking
+                thoughts[-1]["logprobs"] = self._logprobs(event.logprobs or [])
+                return [self._chunk([choice]) for choice in thoughts]
+        thoughts = [self._chunk([choice]) for choice in thoughts]
         if self.tool_plan is not None:
             return thoughts + self._tool_stream_event(event)
-        if thoughts and not event.text and event.finish_reason is None:
-            return thoughts  # no empty content delta beside them
         choice = {"index": event.index, "delta": {"content": event.text},
                   "logprobs": self._logprobs(event.logprobs or []),
                   "finish_reason": event.finish_reason}

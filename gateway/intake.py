@@ -17,7 +17,7 @@ EngineRequest is what gateway.admit sends and what the formatters render from.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,7 +176,7 @@ class Intake:
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan, getattr(body, "skip_special_tokens", True),
                              getattr(body, "include_stop_str_in_output", False),
-                             cfg.reasoning_parser if draft.route == "chat" else "")
+                             reasoning_parser(cfg.reasoning_parser, draft.route, grammar))
 
     def prompt_of(self, body: Any, tokenizer: GatewayTokenizer
                 ) -> tuple[Any, ToolPlan | None, int, Encode]:
@@ -197,6 +197,10 @@ class Intake:
             contents = [text for msg in body.messages  # text, never control tokens
                         for text in ([msg.content] if isinstance(msg.content, str)
                                      else [part.text for part in msg.content or []])]
+            # a client's template variables are its text too: counted, and never control tokens
+            extra = list(_strings(body.chat_template_kwargs))
+            contents += extra
+            chars += sum(len(text) for text in extra)
 
             if body.continue_final_message and body.add_generation_prompt:
                 raise APIError(400, "continue_final_message needs add_generation_prompt false",
@@ -259,6 +263,28 @@ class Intake:
                            param="max_tokens", code="context_length_exceeded")
         top_k = fields.pop("top_k", -1)
         return m.SamplingParams(max_tokens=max_tokens, top_k=max(0, top_k), **fields)
+
+
+def reasoning_parser(parser: str, route: str, grammar: str | None) -> str:
+    """The parser a chat's output goes through. A grammar holds the text from its first token,
+    so a template's opened <think> is not continued: thinking only where the text itself opens
+    it (qwen3's reading), never a whole constrained answer read as thinking."""
+    if route != "chat" or not parser:
+        return ""
+    return "qwen3" if grammar is not None else parser
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value (keys and values, at any depth)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def prompt_chars(body: Any) -> int:

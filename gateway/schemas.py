@@ -99,7 +99,7 @@ TOP_K = _int(ge=-1, lt=2**31)
 N_CHOICES = _int(ge=1, le=MAX_N)
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 MAX_STOP_TOKEN_IDS = 64
-TOKEN_ID_TEXT = r"^[0-9]{1,10}$"
+TOKEN_ID_TEXT = r"^(0|[1-9][0-9]{0,9})$"  # no leading zeros: "01" and "1" are one token
 LOGIT_BIAS_KEY = Annotated[str, Field(pattern=TOKEN_ID_TEXT)]  # a token id, as OpenAI spells it
 LOGPROBS = _int(ge=0, le=MAX_LOGPROBS)
 MAX_TOKENS = _int(ge=1, json_schema_extra=server_bound(maximum="max_tokens"),
@@ -195,7 +195,7 @@ class _SamplingFields(RequestBase):
                                   **server_bound(pattern="token_id_pattern")}})] | None = None
     # vLLM's sampler extensions (engine_worker/sampler.py says how each applies).
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0  # 1e-300: 0 in float32
     min_tokens: _int(ge=0, json_schema_extra=server_bound(maximum="max_tokens"), description=(
         "no EOS nor stop_token_ids before this many tokens; at most max_tokens (400)")) = 0
     stop_token_ids: Annotated[list[TOKEN_ID], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None

@@ -115,3 +115,16 @@ def test_probs_and_draws_agree_for_speculative_acceptance() -> None:
 def test_adjusts_logits_names_every_control_that_changes_the_distribution(
         params: dict, adjusted: bool) -> None:
     assert adjusts_logits(SamplingParams(**params)) is adjusted
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_the_end() -> None:
+    """A finished grammar allows only EOS, which min_tokens holds back: the row would be all
+    -inf (argmax 0, a NaN draw). The grammar wins: the end is drawn."""
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, EOS] = True
+    for params in ({"temperature": 0}, {"temperature": 1.0}):
+        x = inp(min_tokens=5, **params)
+        assert Sampler([EOS])(row(3), [x], allowed)[0].token_id == EOS
+    # while the grammar allows more than the end, min_tokens still holds it back
+    allowed[0, 9] = True
+    assert Sampler([EOS])(row(EOS), [inp(temperature=0, min_tokens=5)], allowed)[0].token_id == 9

@@ -134,6 +134,8 @@ def test_the_cache_salt_is_the_keys_tenant(intake: Intake) -> None:
     ("completions", {"prompt": "a", "logit_bias": {"one": 1.0}}, 422, "invalid_value"),
     ("completions", {"prompt": "a", "min_p": 1.5}, 422, "invalid_value"),
     ("completions", {"prompt": "a", "repetition_penalty": 0}, 422, "invalid_value"),
+    ("completions", {"prompt": "a", "repetition_penalty": 1e-300}, 422, "invalid_value"),
+    ("completions", {"prompt": "a", "logit_bias": {"01": 1.0}}, 422, "invalid_value"),
     ("completions", {"prompt": "x" * 301}, 422, "invalid_value"),
     ("completions", {"prompt": "a", "max_tokens": 101}, 422, "invalid_value"),
     ("completions", {"prompt": [1, 10**9]}, 400, "invalid_token_ids"),

@@ -52,3 +52,18 @@ def test_a_lone_less_than_sign_at_the_end_is_text_after_all() -> None:
 def test_an_unknown_parser_is_refused() -> None:
     with pytest.raises(ValueError, match="deepseek_r1"):
         Reasoning("r2")
+
+
+def test_continue_final_message_cuts_at_the_message_not_at_a_lookalike_in_the_template() -> None:
+    """The final text "end" is also the start of ChatML's own "<|im_end|>": the cut is where the
+    message is, never inside the template's end of turn."""
+    from gateway.chat_template import ChatTemplate
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    t = ChatTemplate(chatml, {})
+    for final in ("end", ">", "The capital of France is "):
+        text = t.render([{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": final}], False,
+                        continue_final_message=True)
+        assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + final.rstrip()
