@@ -193,6 +193,18 @@ def test_request_that_can_never_fit_is_refused(tiny_dir: Path) -> None:
     assert not engine.has_work
 
 
+@pytest.mark.parametrize("kw", [{"logit_bias": [(10**6, 1.0)]}, {"stop_token_ids": [10**6]},
+                                {"min_tokens": 2, "stop_token_ids": [-1]}])
+def test_ids_past_the_models_vocabulary_are_refused_not_a_failed_step(
+        tiny_dir: Path, kw: dict) -> None:
+    """The gateway checks them against its tokenizer's size; a model's logits may be fewer
+    (added tokens): an id past them would fail the whole step's index_put, every sequence in it."""
+    engine = make_engine(tiny_dir)
+    with pytest.raises(ValueError, match="logit_bias and stop_token_ids"):
+        engine.add(greedy("x", prompt(5, 9), **kw))
+    assert not engine.has_work
+
+
 def test_abort_frees_blocks_and_reports_the_reason(tiny_dir: Path) -> None:
     engine = make_engine(tiny_dir)
     engine.add(greedy("x", prompt(30, 80), max_tokens=100))
