@@ -27,6 +27,7 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
         proposer = NgramProposer()
     else:
         from engine_worker.model.loader import gguf_source, resolve_checkpoint
+        from engine_worker.sampler import Sampler
         from engine_worker.speculative.draft import DraftModelProposer
 
         gguf = gguf_source(cfg.draft_model)  # a GGUF draft is served from its own blocks
@@ -36,7 +37,9 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
                              f"the served model's ({runner.config.vocab_size})")
-        proposer = DraftModelProposer(draft)
+        # the served model's EOS ids: min_tokens holds them back in the drafts too, so no draft
+        # is spent on an end the target would refuse
+        proposer = DraftModelProposer(draft, Sampler(runner.config.eos_token_ids))
     return SpecDecoder(proposer, cfg.num_speculative_tokens,
                        max_batch=cfg.speculative_max_batch,
                        min_acceptance=cfg.speculative_min_acceptance)
