@@ -242,7 +242,8 @@ class CompletionRequest(_SamplingFields):
     suffix: Annotated[str, Field(json_schema_extra=server_bound(maxLength="max_prompt_chars"),
                                  description=(
         "fill in the middle: the text after the hole, the prompt the text before it; for "
-        "models with FIM tokens (Qwen2.5-Coder's <|fim_prefix|>...), else 400"))] | None = None
+        "models with FIM tokens (Qwen2.5-Coder's <|fim_prefix|>...), else 400; the prompt and "
+        "the suffix together at most max_prompt_chars (422)"))] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
