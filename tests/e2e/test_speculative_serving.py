@@ -72,9 +72,23 @@ def test_speculative_streams_the_same_text_as_off(servers) -> None:  # noqa: ANN
     assert counter(gw_off, "kestrel_spec_decode_proposed_tokens_total") == 0
 
 
+def settled(gw: GatewayProc, name: str, beats: int = 4, timeout: float = 10) -> float:
+    """The counter once the worker's heartbeats (every 0.25 s) have brought the same value
+    `beats` times running: the last steps of an earlier request reach the gateway a beat late
+    (a clean-clone run read it mid-way, and saw an opted-out request 'propose' 20 tokens)."""
+    deadline = time.monotonic() + timeout
+    value, same = counter(gw, name), 0
+    while same < beats:
+        assert time.monotonic() < deadline, f"{name} never settled"
+        time.sleep(0.25)
+        now = counter(gw, name)
+        value, same = now, (same + 1 if now == value else 0)
+    return value
+
+
 def test_opt_out_per_request(servers) -> None:  # noqa: ANN001
     gw_spec, _, gw_off = servers
-    before = counter(gw_spec, "kestrel_spec_decode_proposed_tokens_total")
+    before = settled(gw_spec, "kestrel_spec_decode_proposed_tokens_total")
     on, _ = stream_text(gw_spec, speculative=False)
     assert on == stream_text(gw_off)[0]
     time.sleep(1.0)  # heartbeats: a proposal would have shown by now
