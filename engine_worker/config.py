@@ -16,6 +16,7 @@ QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PAGED_ATTENTION_MODES = ("auto", "gather")
 DECODE_STACK_MODES = ("auto", "off")
+POOLINGS = ("mean", "last")  # embeddings (engine_worker/embedding.py)
 COMPILE_MODES = ("off", "decode")  # the runner's decode paths: eager, or compiled one-token steps
 
 
@@ -101,6 +102,8 @@ class WorkerConfig:
                                    "pay the prompt path's fixed cost less often): the longest "
                                    "a decoder waits for a prompt chunk where a decode step is "
                                    "short")
+    pooling: str = setting("mean", "how /v1/embeddings pools an input's last hidden states "
+                           "into its vector: mean (over its tokens) or last (its last token's)")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",
                                    flags=("--enable-prefix-caching",))
     link_secret_key: str = setting("", "this worker's CURVE secret certificate (NAME.key_secret "
@@ -142,6 +145,7 @@ class WorkerConfig:
         check_choice("compile", self.compile, COMPILE_MODES)
         check_choice("quant_group_size", self.quant_group_size, QUANT_GROUP_SIZES)
         check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        check_choice("pooling", self.pooling, POOLINGS)
         positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -5,6 +5,7 @@ accept -> update.
     chunks ──SpecDecoder.propose()──▶ drafts on decode chunks (speculation on; k > 0)
     chunks ──ModelRunner.execute()──▶ logits (one row per chunk; every position of a draft chunk)
     logits ──Sampler / SpecDecoder.accept()──▶ tokens ──Scheduler.update()──▶ TokenOutput
+    embedding requests ──Embeddings.step(the prompt rows left)──▶ a vector each (embedding.py)
 
 Per-request state lives on the sequences (generator, first-scheduled time, speculation state); the
 engine keeps only which sequences make up which request, and its deadline. The engine is
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine_worker.block_manager import BlockManager
+from engine_worker.embedding import Embeddings
 from engine_worker.grammar import GrammarCompiler, GrammarMatcher, advance_all
 from engine_worker.logprobs import logprob_entries
 from engine_worker.model_runner import ModelRunner
@@ -32,6 +34,8 @@ from engine_worker.step_costs import StepCosts
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.engine")
+NON_FINITE = ("the model computed a non-finite value (NaN or inf) for this request: its "
+              "weights or its numerics are broken")
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Engine:
         grammars: GrammarCompiler | None = None,
         prefill_share: float = 0.75,
         step_floor_s: float = 1.0,
+        pooling: str = "mean",
     ) -> None:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -73,6 +78,8 @@ class Engine:
             prefill_rows=self.costs.prefill_rows if prefill_share > 0 else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
+        self.embeddings = Embeddings(runner, pooling)
+        self.sized_steps = prefill_share > 0
         self.spec = spec
         self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
@@ -92,6 +99,11 @@ class Engine:
         vocab = self.runner.config.vocab_size
         if any(t < 0 or t >= vocab for t in gen.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if gen.embed:
+            self.embeddings.add(gen)
+            self.requests[gen.request_id] = _Request(gen.request_id, [], gen.deadline)
+            self.prompt_tokens += len(gen.prompt_token_ids)
+            return
         params = gen.params
         named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
         if any(t < 0 or t >= vocab for t in named):  # the gateway checked its tokenizer's size
@@ -124,6 +136,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
+        if not req.seqs:  # an embedding request: its inputs not answered yet
+            return self.embeddings.abort(request_id, reason)
         # Only the choices still live get a closing frame: one that ended (a stop, its length,
         # or a per-choice abort_choice) has had its last frame already.
         live = self.scheduler.abort(request_id)
@@ -159,15 +173,42 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[m.TokenOutput]:
-        sched = self.scheduler
+        """One step: the scheduled chunks' tokens, then embedding inputs in the prompt rows
+        the step has left; every frame of the step."""
         started = time.perf_counter()
+        chunks = self._schedule()
+        outputs = self._generate(chunks) if chunks else []
+        decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
+        prefill_rows = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if self.embeddings.waiting:
+            allowed = (self.costs.prefill_rows(decode_rows) if self.sized_steps
+                       else self.scheduler.max_num_batched_tokens - decode_rows)
+            vectors, rows, broken = self.embeddings.step(max(0, allowed - prefill_rows),
+                                                         alone=prefill_rows == 0)
+            for rid in broken:
+                self.abort(rid)
+                self.errors.append(m.RequestError(rid, NON_FINITE, "model_numerics"))
+            for out in vectors:
+                if out.request_id in self.requests and out.request_id not in \
+                        self.embeddings.waiting:
+                    del self.requests[out.request_id]  # its last input answered
+            outputs += vectors
+            prefill_rows += rows
+        self.costs.observe(decode_rows, prefill_rows, time.perf_counter() - started)
+        return outputs
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        sched = self.scheduler
         k = 0 if self.spec is None else self.spec.lookahead(sched.num_running,
                                                             sched.max_num_batched_tokens)
         chunks = sched.schedule(k)
-        if not chunks:
-            return []
-        if self.spec is not None and k:
+        if chunks and self.spec is not None and k:
             self.spec.propose(chunks)
+        return chunks
+
+    def _generate(self, chunks: list[ScheduledChunk]) -> list[m.TokenOutput]:
+        """The chunks through the model: their sampled tokens' frames."""
+        sched = self.scheduler
         logits = self.runner.execute([  # (rows, V) float32: one per chunk, 1 + n per draft chunk
             StepItem(c.token_ids, c.start_pos, c.seq.block_table, bool(c.draft_token_ids))
             for c in chunks
@@ -175,16 +216,11 @@ class Engine:
         emitted, logprobs = self._sample(chunks, logits)
         broken = self._non_finite(chunks, logits, emitted)
         sched.update(chunks, emitted)
-        decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
-        prefill_rows = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        self.costs.observe(decode_rows, prefill_rows, time.perf_counter() - started)
         outputs = self._outputs(chunks, logprobs)
         if broken:  # their frames carry no token worth sending: an error each, and they end
             for rid in broken:
                 self.abort(rid)
-                self.errors.append(m.RequestError(
-                    rid, "the model computed a non-finite logit (NaN or inf) for this request: "
-                    "its weights or its numerics are broken", "model_numerics"))
+                self.errors.append(m.RequestError(rid, NON_FINITE, "model_numerics"))
             outputs = [o for o in outputs if o.request_id not in broken]
         return outputs
 

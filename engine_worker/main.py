@@ -213,6 +213,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
         block_size=runner.block_size,
         tokenizer_digest=tokenizer_digest(info),
         step_costs=step_costs,
+        embedding_size=runner.config.hidden_size,
     )
 
 
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_prefix_caching=cfg.prefix_caching,
                     spec=build_spec_decoder(cfg, runner), grammars=grammars,
-                    prefill_share=cfg.step_prefill_share, step_floor_s=cfg.step_floor_ms / 1e3)
+                    prefill_share=cfg.step_prefill_share, step_floor_s=cfg.step_floor_ms / 1e3,
+                    pooling=cfg.pooling)
     engine.probe()  # the first requests are sized and admitted by this host's measurement
     hello = build_hello(cfg, runner, checkpoint, engine.costs.report())
     too_big = hello_over_limit(hello)

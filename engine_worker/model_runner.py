@@ -141,6 +141,32 @@ class ModelRunner:
         meta = AttnMeta(slot_mapping=None, prefills=[PrefillSpan(begin=0, length=t, start_pos=0)])
         return self.model(ids, positions, meta, None, None)
 
+    @torch.inference_mode()
+    def embed(self, inputs: list[list[int]], pooling: str) -> torch.Tensor:
+        """float32 (k, C): each input's last hidden states (the final norm's output) pooled,
+        "mean" over its tokens or "last" (its last token's), then L2-normalised. One forward
+        over all of them, each a prefill span from position 0: no cache is read or written."""
+        ids: list[int] = []
+        spans: list[PrefillSpan] = []
+        for tokens in inputs:
+            if not 0 < len(tokens) <= self.max_model_len:
+                raise ValueError(f"an input needs 1..{self.max_model_len} tokens, got "
+                                 f"{len(tokens)}")
+            spans.append(PrefillSpan(begin=len(ids), length=len(tokens), start_pos=0))
+            ids += tokens
+        positions = [p for s in spans for p in range(s.length)]
+        packed = torch.tensor(ids + positions, dtype=torch.int64).to(self.device)
+        ids_t, pos_t = packed.split([len(ids), len(ids)])
+        meta = AttnMeta(slot_mapping=None, prefills=spans)
+        states = self.model(ids_t, pos_t, meta, None, None, hidden=True)  # (R, C)
+        if pooling == "last":
+            pooled = states[[s.begin + s.length - 1 for s in spans]]
+        elif pooling == "mean":
+            pooled = torch.stack([states[s.begin : s.begin + s.length].mean(0) for s in spans])
+        else:
+            raise ValueError(f"unknown pooling {pooling!r} (mean or last)")
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
     def check(self, item: StepItem) -> None:
         """Raise ValueError unless `item` fits this runner's context and cache."""
         item.check(self.max_model_len, self.block_size, self.num_blocks)

@@ -82,6 +82,8 @@ class SimEngine:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
         if not gen.prompt_token_ids:
             raise ValueError("empty prompt")
+        if gen.embed:  # its Hello says embedding_size 0: the gateway sends it none
+            raise ValueError("a simulated worker computes no embeddings")
         if len(gen.prompt_token_ids) + gen.params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         self._order += 1

@@ -78,11 +78,12 @@ class Admitter:
         entry = registry.model(body.model) if body.model else next(iter(registry.models.values()),
                                                                      None)
         asked = body.requested_max_tokens()
-        default = ROUTES[draft.route].default_max_tokens
+        route = ROUTES[draft.route]
         most = entry.hello.max_model_len if entry is not None else 1
+        tokens = (asked or min(route.default_max_tokens or most, self.cfg.max_tokens_cap, most)
+                  if route.generates else 0)  # embeddings: the prompt is all their work
         work = Work(entry.model_id if entry is not None else "", max(1, draft.prompt_chars),
-                    asked or min(default or most, self.cfg.max_tokens_cap, most),
-                    getattr(body, "n", None) or 1, draft.deadline)
+                    tokens, getattr(body, "n", None) or 1, draft.deadline)
         try:
             return self.admission.of(work.model).reserve(work)
         except Rejected as exc:
@@ -96,7 +97,7 @@ class Admitter:
         if work is None:
             return
         work.model, work.prompt_tokens = req.model.model_id, len(req.prompt_ids)
-        work.max_tokens, work.n = req.params.max_tokens, req.params.n
+        work.max_tokens, work.n = (0, 1) if req.embed else (req.params.max_tokens, req.params.n)
         if req.deadline is not None:
             budget, remaining = req.deadline - req.arrival, req.deadline - time.monotonic()
             idle = ticket.admission.backlog.idle_s(work)
@@ -140,7 +141,7 @@ class Admitter:
         gen = Generation(self.client, req.model, new_request_id(), req.prompt_ids, req.params,
                          req.stop, req.deadline, req.arrival, slot, grammar=req.grammar,
                          cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens,
-                         include_stop=req.include_stop)
+                         include_stop=req.include_stop, input_lengths=req.input_lengths)
         if slot.work is not None:  # the backlog counts what it has left from now on
             slot.work.generated = gen.longest_choice
         self.accounting.opened(gen)  # the span opens here so its context reaches the worker

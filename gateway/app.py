@@ -1,7 +1,8 @@
 """The gateway's Starlette app: routes, lifespan, health, models and metrics.
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
-    /v1/completions, /v1/chat/completions, /v1/generate[/stream]  -> gateway.routes
+    /v1/completions, /v1/chat/completions, /v1/embeddings,
+    /v1/generate[/stream]                                           -> gateway.routes
     /tokenize, /detokenize                                          -> gateway.tokenize_routes
     /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
@@ -43,6 +44,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
         Route("/v1/generate", routes.generate, methods=["POST"]),
         Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import struct
 import time
 from dataclasses import replace
 from typing import Any
@@ -125,8 +126,11 @@ class EngineClient:
                      deadline: float | None = None) -> RequestHandle:
         """Send to the router's pick among the workers whose context fits; `deadline` is
         monotonic, and each send carries the time then left (gen.timeout_s)."""
-        need = len(gen.prompt_token_ids) + gen.params.max_tokens
-        candidates = self.registry.candidates(model_id, need)
+        # an embedding request's inputs are computed apart: the longest must fit
+        need = (max(gen.input_lengths) if gen.embed
+                else len(gen.prompt_token_ids) + gen.params.max_tokens)
+        candidates = [w for w in self.registry.candidates(model_id, need)
+                      if w.hello.embedding_size or not gen.embed]
         if not candidates:
             raise NoWorkerError(f"no ready worker serves {model_id!r} with a context of "
                                 f"{need} tokens")
@@ -327,6 +331,27 @@ def _refusal(handle: RequestHandle, out: m.TokenOutput) -> str | None:
             math.isfinite(lp) and all(math.isfinite(t[1]) for t in top)
             for _, lp, top in out.logprobs):
         return "a logprob that is NaN or infinite (JSON cannot carry it)"
+    if out.embedding is not None or handle.gen.embed:
+        why = _embedding_refusal(handle, out)
+        if why is not None:
+            return why
     handle.tokens[i] = total
     handle.ended[i] = out.finish_reason is not None
+    return None
+
+
+def _embedding_refusal(handle: RequestHandle, out: m.TokenOutput) -> str | None:
+    """An embedding request gets one vector of its worker's size per input, and no tokens;
+    a generation no vector."""
+    if not handle.gen.embed:
+        return "an embedding for a request that asked for tokens"
+    if out.token_ids:
+        return "tokens for an embedding request"
+    if out.embedding is None:
+        return None  # an input ended without its vector (aborted, timed out)
+    size = handle.worker.hello.embedding_size
+    if len(out.embedding) != 4 * size:
+        return f"an embedding of {len(out.embedding)} bytes from a worker of size {size}"
+    if not all(math.isfinite(x) for x in struct.unpack(f"<{size}f", out.embedding)):
+        return "an embedding with a NaN or infinite value (JSON cannot carry it)"
     return None

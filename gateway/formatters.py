@@ -8,11 +8,13 @@ stream equals the text of the non-streamed answer for the same request.
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from dataclasses import replace
 from typing import Any
 
-from gateway.generation import ChoiceEvent, Generation
+from gateway.generation import ChoiceEvent, EngineFailure, Generation
 from gateway.intake import EngineRequest
 from gateway.reasoning import Reasoning, split
 from gateway.reasoning import fields as reasoning_fields
@@ -230,7 +232,38 @@ class NativeFormatter(Formatter):
         return [out]
 
 
+class EmbeddingFormatter(Formatter):
+    """POST /v1/embeddings: each input's vector, as floats or, with encoding_format "base64",
+    as OpenAI's base64 of its float32 little-endian bytes. Never streamed."""
+
+    def __init__(self, req: EngineRequest, gen: Generation) -> None:
+        super().__init__(req, gen)
+        self.vectors: list[bytes | None] = [None] * gen.params.n
+
+    def add(self, event: ChoiceEvent) -> None:
+        if event.embedding is not None:
+            self.vectors[event.index] = event.embedding
+
+    def response(self) -> dict[str, Any]:
+        missing = [i for i, v in enumerate(self.vectors) if v is None]
+        if missing:  # its worker stopped first (a drain past its timeout): no partial answer
+            raise EngineFailure(503, f"the worker ended before input {missing[0]} was embedded "
+                                f"({self.gen.finish_reasons[missing[0]]})", "unavailable")
+        b64 = self.body.encoding_format == "base64"
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v).decode() if b64  # type: ignore[arg-type]
+                 else list(struct.unpack(f"<{len(v) // 4}f", v))}  # type: ignore[arg-type]
+                for i, v in enumerate(self.vectors)]
+        tokens = self.gen.prompt_tokens
+        return {"object": "list", "data": data, "model": self.gen.model.model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        raise NotImplementedError("embeddings are not streamed")
+
+
 FORMATTERS: dict[str, type[Formatter]] = {
+    "embeddings": EmbeddingFormatter,
     "completions": CompletionFormatter,
     "chat": ChatFormatter,
     "generate": NativeFormatter,

@@ -44,6 +44,7 @@ class ChoiceEvent:
     token_ids: list[int]
     logprobs: list[list] | None = None
     finish_reason: str | None = None
+    embedding: bytes | None = None  # an embedding request's vector (float32 little-endian)
 
 
 async def _get_before(queue: asyncio.Queue[T], deadline: float | None) -> T:
@@ -98,7 +99,7 @@ class Generation:
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
                  deadline: float | None, arrival: float, slot: Slot, grammar: str | None = None,
                  cache_salt: str = "", skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, input_lengths: list[int] | None = None) -> None:
         self.client = client
         self.model = model
         self.request_id = request_id
@@ -116,6 +117,7 @@ class Generation:
         self.grammar = grammar  # llguidance grammar for the worker's mask; None: free text
         self.traceparent: str | None = None  # set by the tracer before start(); None: off
         self.cache_salt = cache_salt  # the prefix cache's tenant (gateway/tenancy.py)
+        self.input_lengths = input_lengths or []  # embeddings: one vector per input, no tokens
         self._backlog: deque[Event] = deque()  # frames taken from the queue, not yet handled
         # Frames are joined only without stop strings: a stop met inside a joined frame would
         # count the tokens after it in the usage, which one frame at a time does not.
@@ -147,7 +149,8 @@ class Generation:
         # clock need not agree with ours.
         gen = m.Generate(self.request_id, self.prompt_ids, self.params,
                          grammar=self.grammar, traceparent=self.traceparent,
-                         cache_salt=self.cache_salt)
+                         cache_salt=self.cache_salt, embed=bool(self.input_lengths),
+                         input_lengths=self.input_lengths)
         # Taken before the await: once it yields, a busy loop may resume us after the worker
         # has already answered.
         self.timings.sent = time.monotonic()
@@ -231,7 +234,8 @@ class Generation:
             finish = out.finish_reason
             text += choice.detok.flush()
         choice.finish_reason = finish
-        return ChoiceEvent(out.index, text, list(out.token_ids), out.logprobs, finish)
+        return ChoiceEvent(out.index, text, list(out.token_ids), out.logprobs, finish,
+                           out.embedding)
 
     async def close(self) -> None:
         """Idempotent: stop the work at the worker if it may still run, free the slot."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,6 +32,7 @@ from gateway.errors import APIError, too_many_requests, validation_error
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     GenerateRequest,
     RequestBase,
     RequestLimitError,
@@ -54,6 +55,7 @@ class Route:
     # estimate: a deadline is met by refusing at once, not by a shorter answer.
     default_max_tokens: int | None = 16
     stream: bool | None = None  # None: the body's own `stream`
+    generates: bool = True  # False: its prompt is all its work (embeddings)
 
 
 ROUTES: dict[str, Route] = {
@@ -61,6 +63,7 @@ ROUTES: dict[str, Route] = {
     "chat": Route(ChatCompletionRequest, default_max_tokens=None),
     "generate": Route(GenerateRequest, stream=False),
     "generate_stream": Route(GenerateRequest, stream=True),
+    "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
 }
 
 
@@ -96,6 +99,12 @@ class EngineRequest:
     skip_special_tokens: bool = True  # in the text: special tokens dropped
     include_stop: bool = False  # in the text: the matched stop string kept
     reasoning_parser: str = ""  # a chat's <think> returned apart (gateway/reasoning.py)
+    # Embeddings: the prompt is these inputs end to end, one vector each (params.n of them).
+    input_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def embed(self) -> bool:
+        return bool(self.input_lengths)
 
 
 def parse_body(schema: type[RequestBase], data: Any) -> Any:
@@ -133,6 +142,8 @@ class Intake:
         return arrival + (min(timeout, cfg.max_timeout_s) if cfg.max_timeout_s > 0 else timeout)
 
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
+        if not ROUTES[draft.route].generates:
+            return await self.prepare_embeddings(draft)
         cfg = self.cfg
         model = self.model(draft.body.model)
         body, tool_plan, chars, encode = self.prompt_of(draft.body, model.tokenizer)
@@ -177,6 +188,50 @@ class Intake:
                              tool_plan, getattr(body, "skip_special_tokens", True),
                              getattr(body, "include_stop_str_in_output", False),
                              reasoning_parser(cfg.reasoning_parser, draft.route, grammar))
+
+    async def prepare_embeddings(self, draft: Draft) -> EngineRequest:
+        """An embedding request's inputs as tokens, each checked against the model's context
+        and vocabulary; the model must serve embeddings and a `dimensions` be its size (400)."""
+        body: EmbeddingRequest = draft.body
+        model = self.model(body.model)
+        size = model.hello.embedding_size
+        if not size:
+            raise APIError(400, f"model {model.model_id!r} does not serve embeddings (its "
+                           "worker computes none)", param="model", code="unsupported_model")
+        if body.dimensions is not None and body.dimensions != size:
+            raise APIError(400, f"model {model.model_id!r} gives vectors of {size} floats, which "
+                           f"cannot be shortened to {body.dimensions}: leave dimensions out",
+                           param="dimensions", code="unsupported_parameter")
+        try:
+            check_limits(draft.prompt_chars, None, max_prompt_chars=self.cfg.max_prompt_chars,
+                         max_tokens_cap=self.cfg.max_tokens_cap)
+        except RequestLimitError as exc:
+            raise APIError(422, str(exc), param="input", code="invalid_value") from None
+        inputs = body.inputs()
+        if isinstance(inputs[0], str):
+            texts: list[str] = inputs  # type: ignore[assignment]
+            try:
+                batch = await offload.run("tokenize", lambda tok: [tok.encode(t) for t in texts],
+                                          model.tokenizer, key=model.model_id)
+            except offload.Busy as exc:
+                raise too_many_requests(str(exc), "server_busy", 1.0) from None
+        else:
+            batch = [list(ids) for ids in inputs]  # type: ignore[arg-type]
+        context, vocab = model.hello.max_model_len, model.tokenizer.vocab_size
+        for i, ids in enumerate(batch):
+            if not ids:
+                raise APIError(422, f"input {i} has no tokens", param="input",
+                               code="invalid_value")
+            if len(ids) > context:
+                raise APIError(400, f"input {i} has {len(ids)} tokens, over the model's context "
+                               f"of {context}", param="input", code="context_length_exceeded")
+            if max(ids) >= vocab:
+                raise APIError(400, f"token ids must be below the vocabulary size ({vocab})",
+                               param="input", code="invalid_token_ids")
+        params = m.SamplingParams(max_tokens=1, n=len(batch), speculative=False)
+        return EngineRequest(draft.route, body, draft.arrival, draft.deadline, False, model,
+                             [t for ids in batch for t in ids], params, [],
+                             input_lengths=[len(ids) for ids in batch])
 
     def prompt_of(self, body: Any, tokenizer: GatewayTokenizer
                 ) -> tuple[Any, ToolPlan | None, int, Encode]:
@@ -293,6 +348,8 @@ def prompt_chars(body: Any) -> int:
     more), and the exact count once it is tokenized."""
     if isinstance(body, ChatCompletionRequest):
         return sum(len(msg.text()) for msg in body.messages)
+    if isinstance(body, EmbeddingRequest):
+        return sum(len(x) for x in body.inputs())
     prompt = body.prompt
     suffix = len(getattr(body, "suffix", None) or "")  # fill in the middle: both sides count
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):

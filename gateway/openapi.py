@@ -60,6 +60,8 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
      "OpenAI text completion (stream: true for SSE)", True),
     ("/v1/chat/completions", "post", INTAKE_ROUTES["chat"].schema,
      "OpenAI chat completion (stream: true for SSE)", True),
+    ("/v1/embeddings", "post", INTAKE_ROUTES["embeddings"].schema,
+     "OpenAI embeddings: each input's pooled, normalised last hidden states", False),
     ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
     ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
      "native generation, streamed as SSE", True),
@@ -125,6 +127,8 @@ def server_figures(cfg: GatewayConfig, registry: Registry) -> dict[str, Any]:
         context = max(e.hello.max_model_len for e in models)
         figures["max_tokens"] = max(1, min(cfg.max_tokens_cap, context - 1))
         figures["max_prompt_ids"] = max(1, min(cfg.max_prompt_chars, context - 1))
+        sizes = sorted({e.hello.embedding_size for e in models if e.hello.embedding_size})
+        figures["embedding_sizes"] = sizes or None  # a vector's size is the model's own
     return figures
 
 

@@ -1,4 +1,5 @@
-"""The generation routes: OpenAI's completions and chat completions, and the native API.
+"""The engine's routes: OpenAI's completions, chat completions and embeddings, and the native
+API.
 
 One way through, whatever the route (`run_route`):
 
@@ -191,6 +192,10 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await run_route(request, "chat")
+
+
+async def embeddings(request: Request) -> Response:
+    return await run_route(request, "embeddings")
 
 
 async def generate(request: Request) -> Response:

@@ -347,5 +347,50 @@ class TokenizeRequest(RequestBase):
         return self
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs in one request
+EMBEDDING_TEXT = Annotated[str, Field(min_length=1, json_schema_extra=server_bound(
+    maxLength="max_prompt_chars"))]
+EMPTY_INPUT = "an input is empty"
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's /v1/embeddings body: one input or a batch of them, each text or token ids."""
+
+    model: Annotated[str | None, Field(json_schema_extra=server_bound(enum="model"))] = None
+    input: Annotated[
+        Annotated[EMBEDDING_TEXT, refused_as({"string_too_short": EMPTY_INPUT}, whole=True)]
+        | Annotated[list[EMBEDDING_TEXT], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+                    refused_as({"too_short": EMPTY_INPUT, "string_too_short": EMPTY_INPUT},
+                               whole=True)]
+        | Annotated[list[TOKEN_ID], Field(min_length=1, json_schema_extra=server_bound(
+            maxItems="max_prompt_ids")), refused_as({"too_short": EMPTY_INPUT}, whole=True)]
+        | Annotated[list[Annotated[list[TOKEN_ID], Field(min_length=1, json_schema_extra=
+                                                       server_bound(maxItems="max_prompt_ids"))]],
+                    Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+                    refused_as({"too_short": EMPTY_INPUT}, whole=True)],
+        Field(description="a text, token ids, or a batch of either; each input's tokens must fit "
+              "the model's context (400 context_length_exceeded), the texts together at most "
+              "max_prompt_chars (422)")]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: _int(ge=1, json_schema_extra=server_bound(enum="embedding_sizes"), description=(
+        "the vector's size, which is the model's hidden size: any other is refused (400 "
+        "unsupported_parameter), since these models' vectors cannot be shortened")) | None = None
+    user: str | None = None
+    timeout: Annotated[float, Field(gt=0.0, description=(
+        "seconds from arrival to the answer, as the generation routes' timeout"))] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return None
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a batch: texts, or token id lists."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and isinstance(x[0], int):
+            return [x]  # type: ignore[list-item]
+        return x  # type: ignore[return-value]
+
+
 class DetokenizeRequest(RequestBase):
     tokens: Annotated[list[TOKEN_ID], Field(max_length=1 << 20)]

@@ -173,6 +173,9 @@ def _checked_output(f: dict[str, Any], i: int) -> None:
     if f["since_scheduled_s"] is not None:
         f["since_scheduled_s"] = _check(float, f["since_scheduled_s"],
                                         f"StepOutputs[{i}].since_scheduled_s")
+    vector = f["embedding"]
+    if vector is not None and (type(vector) is not bytes or len(vector) % 4):
+        raise DecodeError(f"StepOutputs[{i}].embedding: expected float32 bytes")
     if f["logprobs"] is not None:
         f["logprobs"] = _check(_hints(m.TokenOutput)["logprobs"], f["logprobs"],
                                f"StepOutputs[{i}].logprobs")

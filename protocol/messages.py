@@ -22,7 +22,8 @@ from typing import Literal
 # the KV block size and a tokenizer digest.
 # 3: Generate.cache_salt. 4: token frames travel in one StepOutputs per engine step.
 # 5: Stats.step_costs and Hello.step_costs (the worker's measured step costs).
-PROTOCOL_VERSION = 5
+# 6: embeddings: Generate.embed and input_lengths, TokenOutput.embedding, Hello.embedding_size.
+PROTOCOL_VERSION = 6
 
 # Why a choice ended. stop: an end-of-sequence or stop token; length: max_tokens or the context;
 # abort: cancelled (client gone, a stop string met at the gateway, worker shutting down);
@@ -128,6 +129,8 @@ class Hello:
     # model was registered with.
     tokenizer_digest: str = ""
     step_costs: StepCosts | None = None  # measured before the Hello (Engine.probe)
+    # Floats in one of this worker's embeddings (its model's hidden size); 0: it serves none.
+    embedding_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,11 @@ class Generate:
     # The prefix cache's tenant: blocks are shared only between requests with the same salt
     # (the gateway derives it from the API key and the request's own cache_salt). "": shared.
     cache_salt: str = ""
+    # An embedding request: the prompt is `input_lengths` inputs laid end to end (params.n of
+    # them), each pooled by the worker's --pooling into one normalised vector; nothing is
+    # generated. Input i's vector comes back as choice i's only frame.
+    embed: bool = False
+    input_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,8 @@ class TokenOutput:
     # first scheduled the request to the sending of this frame. The gateway subtracts it from
     # its time to first token to get the queue wait (arrival to first scheduled).
     since_scheduled_s: float | None = None
+    # An embedding request's input `index`: its vector, float32 little-endian (finish "stop").
+    embedding: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Data flow of one forward:
                     -> attention (decodes: one batched SDPA; each prefill chunk: its own SDPA)
                     -> o_proj + residual -> RMSNorm -> SwiGLU MLP + residual
       -> rows at logits_indices -> RMSNorm -> LM head -> float32 logits (M, V)
+         (or, for embeddings, the RMSNorm's output itself: float32 hidden states (M, C))
 
 Where the runner has built one (GGUF layers on the integer-dot kernel, CPU), the decode rows
 of a step go through every layer in one C++ call instead (model/decode_stack.py: the same ops,
@@ -145,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttnMeta,
         kv_cache: KVCache | None,
         logits_indices: torch.Tensor | None = None,  # (M,) rows to score; None: all rows
+        hidden: bool = False,  # the final norm's output (M, C) instead of logits (embeddings)
     ) -> torch.Tensor:
         if self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("call init_rope(max_positions) before forward")
@@ -167,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)  # (M, C): only rows we sample from
         x = self.model.norm(x)
+        if hidden:
+            return x.float()  # (M, C)
         if self.lm_head is not None:
             return self.lm_head(x).float()  # (M, V)
         return linear(x, self.model.embed_tokens.weight).float()  # (M, V), tied head

@@ -56,7 +56,7 @@ def test_openapi_lists_every_route(served: GatewayProc) -> None:
     assert set(doc["paths"]) == {
         "/v1/completions", "/v1/chat/completions", "/v1/generate", "/v1/generate/stream",
         "/v1/models", "/health", "/health/live", "/health/ready", "/metrics", "/v1/metrics",
-        "/openapi.json", "/tokenize", "/detokenize"}
+        "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings"}
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
     assert "messages" in doc["components"]["schemas"][ref]["properties"]
@@ -147,4 +147,4 @@ def test_valid_cases_are_served(api_schema: Any) -> None:
         assert served >= 0.6 * total, (operation.label, rates[operation.label],
                                        [(status, error) for status, error, _ in refused])
     print("served of the positive cases:", rates)
-    assert len(rates) == 6, rates  # the four generation routes, /tokenize, /detokenize
+    assert len(rates) == 7, rates  # the four generation routes, embeddings, (de)tokenize

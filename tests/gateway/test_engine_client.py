@@ -4,13 +4,20 @@ back yet, fail otherwise; worker-supplied finish reasons bounded before they bec
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from gateway.engine_client import FAULT_WINDOW_S, MAX_WORKER_FAULTS, EngineClient, WorkerLost
+from gateway.engine_client import (
+    FAULT_WINDOW_S,
+    MAX_WORKER_FAULTS,
+    EngineClient,
+    NoWorkerError,
+    WorkerLost,
+)
 from protocol import codec
 from protocol import messages as m
 
@@ -18,7 +25,7 @@ TOK = m.TokenizerInfo('{"model": {}}', None, None, None, [0])
 VOCAB = 100  # the fake tokenizer's
 
 
-def client_with_workers(n: int) -> tuple[EngineClient, list[Any], list]:
+def client_with_workers(n: int, embedding_size: int = 0) -> tuple[EngineClient, list[Any], list]:
     client = EngineClient("inproc://unused")
     sent: list = []
 
@@ -29,7 +36,8 @@ def client_with_workers(n: int) -> tuple[EngineClient, list[Any], list]:
     client.link.send = fake_send  # type: ignore[method-assign]
     digest = codec.tokenizer_digest(TOK)
     workers = [client.registry.admit(f"w{i}".encode(), m.Hello(
-        m.PROTOCOL_VERSION, f"w{i}", "tiny", 256, 4096, 8, TOK), digest,
+        m.PROTOCOL_VERSION, f"w{i}", "tiny", 256, 4096, 8, TOK, embedding_size=embedding_size),
+        digest,
         tokenizer=SimpleNamespace(vocab_size=VOCAB) if i == 0 else None)  # type: ignore[arg-type]
         for i in range(n)]
     return client, workers, sent
@@ -136,6 +144,8 @@ BAD_FRAMES = {
     "a NaN logprob": m.TokenOutput("r1", 0, [5], logprobs=[(5, float("nan"), [])]),
     "an infinite top logprob": m.TokenOutput("r1", 0, [5],
                                              logprobs=[(5, -1.0, [(6, float("-inf"))])]),
+    "an embedding for a request that asked for tokens": m.TokenOutput("r1", 0, [], "stop",
+                                                                      embedding=bytes(8)),
 }
 
 
@@ -237,6 +247,53 @@ def test_a_dropped_workers_hellos_are_refused_unread_for_a_while() -> None:
         answer = sent[-1][1]
         assert isinstance(answer, m.Welcome) and not answer.accepted
         assert "dropped" in answer.reason and worker.identity not in client.workers
+        client.link.close()
+
+    asyncio.run(run())
+
+
+def embed_gen() -> m.Generate:
+    return m.Generate("e1", [1, 2, 3], m.SamplingParams(max_tokens=1, n=2), embed=True,
+                      input_lengths=[1, 2])
+
+
+VECTOR = struct.pack("<2f", 0.6, 0.8)
+BAD_VECTORS = {
+    "a vector of another size": m.TokenOutput("e1", 0, [], "stop", embedding=bytes(12)),
+    "a NaN in the vector": m.TokenOutput("e1", 0, [], "stop",
+                                         embedding=struct.pack("<2f", 1.0, float("nan"))),
+    "tokens for an embedding request": m.TokenOutput("e1", 0, [5], "stop", embedding=VECTOR),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VECTORS))
+def test_an_embedding_request_takes_one_vector_of_its_worker_s_size_per_input(name: str) -> None:
+    async def run() -> None:
+        client, _, _ = client_with_workers(1, embedding_size=2)
+        handle = await client.submit("tiny", embed_gen(), deadline=None)
+        await client._dispatch(handle.worker, m.TokenOutput("e1", 1, [], "stop", 2,
+                                                            embedding=VECTOR))
+        assert handle.events.get_nowait().embedding == VECTOR
+        await client._dispatch(handle.worker, BAD_VECTORS[name])
+        error = handle.events.get_nowait()
+        assert isinstance(error, m.RequestError) and error.code == "bad_worker_frame"
+        client.link.close()
+
+    asyncio.run(run())
+
+
+def test_an_embedding_request_goes_only_to_workers_that_embed_and_whose_context_fits_an_input(
+) -> None:
+    async def run() -> None:
+        client, _, _ = client_with_workers(1)  # a worker that computes no embeddings
+        with pytest.raises(NoWorkerError):
+            await client.submit("tiny", embed_gen(), deadline=None)
+        client.link.close()
+        client, _, sent = client_with_workers(1, embedding_size=2)
+        long = m.Generate("e2", [1] * 400, m.SamplingParams(max_tokens=1, n=2), embed=True,
+                          input_lengths=[200, 200])  # 400 tokens in all, each within 256
+        await client.submit("tiny", long, deadline=None)
+        assert sent[-1][1].request_id == "e2"
         client.link.close()
 
     asyncio.run(run())

@@ -105,9 +105,20 @@ def test_unknown_fields_are_ignored_within_a_version() -> None:
 
 
 def test_a_step_row_with_fields_added_later_still_decodes() -> None:
-    payload = msgpack.packb([["r", 0, [1], "stop", 2, 1, None, 0, None, "added later"]])
+    payload = msgpack.packb([["r", 0, [1], "stop", 2, 1, None, 0, None, None, "added later"]])
     assert codec.decode([b"\x0b", payload]) == m.StepOutputs([m.TokenOutput("r", 0, [1], "stop",
                                                                              2, 1)])
+
+
+def test_an_embedding_travels_as_float32_bytes_and_a_ragged_one_is_refused() -> None:
+    vector = bytes(range(16))
+    out = m.TokenOutput("r", 1, [], "stop", 7, 0, embedding=vector)
+    assert codec.decode(codec.encode(m.StepOutputs([out]))) == m.StepOutputs([out])
+    for bad in (b"\x00" * 6, "text"):
+        payload = msgpack.packb([["r", 0, [], "stop", 2, 0, None, 0, None, bad]],
+                                use_bin_type=True)
+        with pytest.raises(codec.DecodeError, match="embedding"):
+            codec.decode([b"\x0b", payload])
 
 
 def test_a_step_of_64_sequences_is_one_message_smaller_than_64_token_frames() -> None:
