@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(cfg.log_level)
     from engine_worker.engine import Engine
     from engine_worker.model_runner import ModelRunner
+    from engine_worker.probe_record import ProbeRecord
     from engine_worker.runner_config import RunnerConfig
 
     stop = threading.Event()
@@ -288,7 +289,14 @@ def main(argv: list[str] | None = None) -> int:
                     spec=build_spec_decoder(cfg, runner), grammars=grammars,
                     prefill_share=cfg.step_prefill_share, step_floor_s=cfg.step_floor_ms / 1e3,
                     pooling=cfg.pooling)
-    engine.probe()  # the first requests are sized and admitted by this host's measurement
+    # The first requests are sized and admitted by this host's measurement: an earlier start's
+    # probe of this model here, or one now (engine_worker/probe_record.py).
+    record = ProbeRecord.for_runner(Path(cfg.cache_dir), runner, {
+        "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "threads_setting": cfg.threads})
+    if not record.seed(engine.costs):
+        engine.probe()
+        record.save(engine.costs)
     hello = build_hello(cfg, runner, checkpoint, engine.costs.report())
     too_big = hello_over_limit(hello)
     if too_big is not None:  # it would be dropped unread, and we would wait for a Welcome

@@ -121,6 +121,23 @@ class StepCosts:
         b = _bucket(PREFILL_BUCKETS, prefill_rows)
         self._prefill[b] = _ewma(self._prefill.get(b), per_row)
 
+    def points(self) -> dict[str, list[list[float]]]:
+        """What has been learned, as plain lists (engine_worker/probe_record.py keeps them)."""
+        return {"decode": [[b, r, s] for b, (r, s) in sorted(self._decode.items())],
+                "prefill": [[b, s] for b, s in sorted(self._prefill.items())]}
+
+    def seed(self, points: dict[str, list[list[float]]]) -> None:
+        """Start from `points` (an earlier probe's) instead of measuring: later steps refine
+        them as they refine a probe's. ValueError if they are not such points."""
+        decode = {int(b): (float(r), float(s)) for b, r, s in points["decode"]}
+        prefill = {int(b): float(s) for b, s in points["prefill"]}
+        if not decode or not prefill or any(b not in DECODE_BUCKETS for b in decode) \
+                or any(b not in PREFILL_BUCKETS for b in prefill) \
+                or not all(s > 0 for _, s in decode.values()) \
+                or not all(s > 0 for s in prefill.values()):
+            raise ValueError("not the points of a probe")
+        self._decode, self._prefill = decode, prefill
+
     # -- estimates -----------------------------------------------------------------------------
 
     def decode_s(self, rows: int) -> float | None:

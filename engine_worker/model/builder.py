@@ -27,6 +27,7 @@ import torch
 
 from engine_worker import int_dot
 from engine_worker.kernel_build import KernelUnavailable
+from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.ggml_types import forget_tensors, tensors
 from engine_worker.model.gguf_native import check_shapes, legacy_only, load_gguf_model
@@ -94,7 +95,8 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int) -
         model = load_gguf_model(cfg.gguf_path, model_cfg, device, compute_dtype=compute,
                                 max_positions=max_positions, dense_dtype=dense_dtype,
                                 dense_min_rows=dense_min_rows, native_q8=native_q8,
-                                int_dot_rows=int_dot_rows, int_dot_all=int_dot_all)
+                                int_dot_rows=int_dot_rows, int_dot_all=int_dot_all,
+                                blocks=BlockCache.beside(cfg.gguf_path, Path(cfg.model_path)))
         forget_tensors()  # the file's map: nothing reads it after the load
         size = weight_bytes(model)
         return BuiltModel(model, QuantReport("gguf", size, size), paths, dense_min_rows)

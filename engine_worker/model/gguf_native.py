@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from engine_worker import int_dot
 from engine_worker.model import ggml_types
+from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.ggml_types import Blocks, cat, read_tensor
 from engine_worker.model.int4 import Int4GroupLinear
@@ -103,8 +105,14 @@ class BlockEmbedding(nn.Module):
         super().__init__()
         self.fmt, self.num_embeddings, self.embedding_dim = b.fmt, b.n, b.k
         self.raw: torch.Tensor
-        # a copy: a view would keep the whole file's mapping alive (and resident) with it
-        self.register_buffer("raw", torch.from_numpy(np.array(b.raw)).to(device))
+        if isinstance(b.raw, np.memmap) and device.type == "cpu":
+            # the block cache's own file (model/block_cache.py): only read, its pages shared
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only: never written
+                table = torch.from_numpy(b.raw)
+        else:  # a copy: a view would keep the whole file's mapping alive (and resident)
+            table = torch.from_numpy(np.array(b.raw)).to(device)
+        self.register_buffer("raw", table)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.raw.index_select(0, ids.reshape(-1))
@@ -208,10 +216,13 @@ def load_gguf_model(
     max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
     use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
     dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0, int_dot_all: bool = False,
+    blocks: BlockCache | None = None,
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
     packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
-    `native_q8` (loaded by the caller: quant_group.load_group_gemv). Logs progress."""
+    `native_q8` (loaded by the caller: quant_group.load_group_gemv). `blocks`: where rewritten
+    blocks are kept between starts (model/block_cache.py). Logs progress."""
+    read = read_tensor if blocks is None else blocks.read
     device = torch.device(device)
     if use_kernel is None:
         use_kernel = device.type == "cpu"
@@ -230,17 +241,17 @@ def load_gguf_model(
 
     floats: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
-        for target, (blocks, biases) in _layer_parts(tensors, i, cfg).items():
+        for target, (parts, biases) in _layer_parts(tensors, i, cfg, read).items():
             parent, _, attr = target.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, _fused(blocks, biases, mk))
+            setattr(layer.get_submodule(parent), attr, _fused(parts, biases, mk))
         for suffix, name in _NORMS.items():
             floats[f"model.layers.{i}.{name}"] = _float(tensors[f"blk.{i}.{suffix}.weight"])
         if (i + 1) % 10 == 0 or i + 1 == cfg.num_layers:
             log.info("gguf-native weights: layer %d/%d (%.1f s)", i + 1, cfg.num_layers,
                      time.monotonic() - t0)
     floats["model.norm.weight"] = _float(tensors["output_norm.weight"])
-    embed = read_tensor(tensors["token_embd.weight"])
-    head = read_tensor(tensors["output.weight"]) if "output.weight" in tensors else None
+    embed = read(tensors["token_embd.weight"])
+    head = read(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
     if head is None and embed.kind == "int8" and not int_dot_all:
         table = mk(embed, head=True)  # tied: the head and the embedding read one INT8 table
@@ -263,7 +274,9 @@ def load_gguf_model(
     model.init_rope(max_positions or cfg.max_position_embeddings, device, torch.float32,
                     None if factors is None or cfg.rope_scaling else _float(factors))
     _trim_heap()  # the numpy temporaries of the rewrite are gone: give their pages back
-    log.info("gguf-native weights loaded in %.1f s", time.monotonic() - t0)
+    log.info("gguf-native weights loaded in %.1f s%s", time.monotonic() - t0,
+             "" if blocks is None else f" ({blocks.hits} tensors from the block cache, "
+             f"{blocks.writes} written to it)")
     return model
 
 
@@ -290,6 +303,7 @@ def _fused(blocks: list[Blocks], biases: list[torch.Tensor | None],
 
 
 def _layer_parts(tensors: dict[str, Any], i: int, cfg: ModelConfig | None = None,
+                 read: Any = read_tensor,
                  ) -> dict[str, tuple[list[Blocks], list[torch.Tensor | None]]]:
     """Layer i's matmuls (q, k, v | o | gate, up | down) and their biases, by target module.
     Llama-architecture files have q/k rows permuted by llama.cpp's converter: undone here."""
@@ -299,7 +313,7 @@ def _layer_parts(tensors: dict[str, Any], i: int, cfg: ModelConfig | None = None
         "attn_k": unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)}
     parts: dict[str, tuple[list[Blocks], list[torch.Tensor | None]]] = {}
     for suffix, (target, _) in sorted(_LAYER_NAMES.items(), key=lambda kv: kv[1][1]):
-        b = read_tensor(tensors[f"blk.{i}.{suffix}.weight"])
+        b = read(tensors[f"blk.{i}.{suffix}.weight"])
         bias_t = tensors.get(f"blk.{i}.{suffix}.bias")
         bias = None if bias_t is None else _float(bias_t).reshape(-1)
         order = orders.get(suffix)

@@ -1,0 +1,68 @@
+"""Seconds from a worker's start to the gateway's /health/ready, and the worker's RSS then.
+
+    python benchmarks/start_time.py TREE GGUF LABEL
+
+TREE: a checkout whose gateway and worker are run (this one, or a worktree of an older commit,
+to compare both in one session); the interpreter is the one running this script. The worker
+gets --kv-cache-mb 256 and the environment's cache dir (KESTREL_CACHE_DIR or ~/.cache/kestrel).
+Prints one line: LABEL, the seconds, the worker's VmRSS, RssAnon and RssFile when ready.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    tree, gguf, label = sys.argv[1:4]
+    port = free_port()
+    link = f"ipc://{tempfile.gettempdir()}/kestrel-start-{free_port()}"
+    env = {**os.environ, "KESTREL_LOG_LEVEL": "WARNING"}
+    quiet = {"cwd": tree, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    gw = subprocess.Popen([sys.executable, "-m", "gateway.main", "--port", str(port),
+                           "--engine-address", link], **quiet)  # type: ignore[call-overload]
+    time.sleep(3)
+    if gw.poll() is not None:
+        raise SystemExit("the gateway exited")
+    started = time.monotonic()
+    wk = subprocess.Popen([sys.executable, "-m", "engine_worker.main", "--model", gguf,
+                           "--kv-cache-mb", "256", "--gateway-address", link],
+                          **quiet)  # type: ignore[call-overload]
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if wk.poll() is not None:
+                raise SystemExit("the worker exited")
+            time.sleep(0.25)  # a lighter poll: the worker has the two cores to itself
+        ready = time.monotonic() - started
+        with open(f"/proc/{wk.pid}/status") as f:
+            rss = [" ".join(line.split()) for line in f
+                   if line.startswith(("VmRSS", "RssAnon", "RssFile"))]
+        print(label, f"ready after {ready:.1f} s;", " ".join(rss))
+    finally:
+        wk.kill()
+        gw.terminate()
+        wk.wait(30)
+        gw.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Issue 39, end to end: a K-quant GGUF's second start maps the blocks its first start rewrote
+and begins from its step-cost probe, then answers as the first start did. On the real
+Qwen2.5-Coder-0.5B Q4_K_M (skipped where the file is not in the cache's gguf/ folder:
+`python benchmarks/fetch_qwen_gguf.py --only 0.5b`), each start in a fresh cache dir of its
+own test, through the real gateway and worker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import QWEN_GGUF
+from tests.procs import GatewayProc, WorkerProc
+
+PROMPT = "def fibonacci(n):"
+
+
+def start_and_complete(cache: Path) -> tuple[float, str, str]:
+    """Seconds to ready, the greedy completion, the worker's log."""
+    with GatewayProc() as gw:
+        started = time.monotonic()
+        with WorkerProc(QWEN_GGUF, gw.engine_address, "--cache-dir", str(cache), "--threads",
+                        "1", "--model-id", "qwen") as wk:
+            gw.wait_ready(timeout=300)
+            ready = time.monotonic() - started
+            out = httpx.post(gw.base_url + "/v1/completions", json={
+                "model": "qwen", "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
+                timeout=120).json()
+            return ready, out["choices"][0]["text"], wk.output()
+
+
+def test_a_second_start_maps_the_rewritten_blocks_and_the_probe_and_answers_the_same(
+        new_cache_dir: Callable[[], Path]) -> None:
+    if not QWEN_GGUF.is_file():
+        pytest.skip(f"{QWEN_GGUF} is not there")
+    cache = new_cache_dir()
+    cold, first, log1 = start_and_complete(cache)
+    warm, second, log2 = start_and_complete(cache)
+    assert "0 tensors from the block cache" in log1 and "step costs measured" in log1
+    assert "written to it" in log1 and " 0 written to it" not in log1
+    assert " 0 written to it" in log2 and "0 tensors from the block cache" not in log2
+    assert "step costs from this host's earlier probe" in log2
+    assert "step costs measured" not in log2
+    assert second == first and first
+    print(f"ready after {cold:.1f} s cold, {warm:.1f} s warm")

@@ -1,0 +1,165 @@
+"""Issue 39: a GGUF's rewritten blocks kept between starts (engine_worker/model/block_cache.py)
+and the start probe's step costs kept per host (engine_worker/probe_record.py). A tiny Qwen2 GGUF
+mixing Q4_K, Q5_K, Q6_K (rewritten) and Q5_0 (served as stored), written by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_worker.model.block_cache import BlockCache
+from engine_worker.model.gguf_native import load_gguf_model
+from engine_worker.model.loader import load_config
+from engine_worker.probe_record import ProbeRecord
+from engine_worker.step_costs import StepCosts
+from tests.engine_worker.gguf_factory import write_state_gguf
+from tests.engine_worker.test_gguf_kquants import DIMS, PROMPT, VARIANTS
+from tests.engine_worker.test_gguf_native import _logits
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    from transformers import AutoModelForCausalLM
+
+    make_cfg, arch, qtype_of = VARIANTS["qwen2"]
+    tmp = tmp_path_factory.mktemp("block-cache")
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(make_cfg()).to(torch.float32).eval()
+    hf.save_pretrained(tmp / "hf")
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    path = write_state_gguf(state, tmp / "qwen2.gguf", arch, qtype_of,
+                            DIMS["num_attention_heads"], DIMS["num_key_value_heads"])
+    return path, load_config(tmp / "hf")
+
+
+def load(path: Path, cfg: object, cache: BlockCache | None) -> torch.Tensor:
+    model = load_gguf_model(path, cfg, "cpu", int_dot_all=True, blocks=cache)  # type: ignore
+    return _logits(model, PROMPT)
+
+
+def test_a_second_load_maps_every_rewritten_tensor_and_computes_the_same_logits(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
+    path, cfg = qwen
+    plain = load(path, cfg, None)
+    first = BlockCache.beside(path, tmp_path)
+    assert torch.equal(load(path, cfg, first), plain)
+    assert first.hits == 0 and first.writes > 0
+    bins = sorted(first.folder.glob("*.bin"))
+    assert len(bins) == first.writes
+    assert not any("attn_output" in b.name for b in bins)  # Q5_0: a view of the file, no copy
+    assert all(stat.S_IMODE(b.stat().st_mode) == 0o444 for b in bins)
+    second = BlockCache.beside(path, tmp_path)
+    assert torch.equal(load(path, cfg, second), plain)
+    assert second.hits == first.writes and second.writes == 0
+
+
+def test_a_damaged_cached_tensor_is_rewritten_not_served(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
+    path, cfg = qwen
+    plain = load(path, cfg, None)
+    cache = BlockCache.beside(path, tmp_path)
+    load(path, cfg, cache)
+    victim = sorted(cache.folder.glob("*.bin"))[0]
+    os.chmod(victim, 0o644)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    again = BlockCache.beside(path, tmp_path)
+    assert torch.equal(load(path, cfg, again), plain)
+    assert again.writes == 1 and again.hits == cache.writes - 1
+
+
+def test_a_file_rewritten_in_place_gets_a_new_cache_and_the_old_one_goes(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
+    path, cfg = qwen
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(path.read_bytes())
+    old = BlockCache.beside(copy, tmp_path)
+    load(copy, cfg, old)
+    os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 10**9))
+    new = BlockCache.beside(copy, tmp_path)
+    assert new.folder != old.folder and not old.folder.exists()
+    load(copy, cfg, new)
+    assert new.hits == 0 and new.writes == old.writes
+
+
+def test_a_folder_that_cannot_be_written_serves_without_a_cache(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
+    path, cfg = qwen
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = BlockCache(blocker / "blocks")  # its parent is a file: nothing can be made there
+    assert torch.equal(load(path, cfg, cache), load(path, cfg, None))
+    assert not cache.writable and cache.writes == 0
+
+
+# ---- the probe's record ----------------------------------------------------------------------
+
+def runner_like(model: Path, **over: object) -> SimpleNamespace:
+    rc = SimpleNamespace(gguf_path=model, model_path=model.parent)
+    fields = dict(runner_config=rc, dtype_name="float32", device="cpu", paged_decode=True,
+                  model=SimpleNamespace(decode_stack=None), compiled=None, num_blocks=64,
+                  block_size=16, max_model_len=1024)
+    return SimpleNamespace(**{**fields, **over})
+
+
+def measured() -> StepCosts:
+    costs = StepCosts(512)
+    for rows, seconds in ((1, 0.010), (16, 0.040), (32, 0.090)):
+        costs.observe(rows, 0, seconds)
+    costs.observe(0, 64, 0.320)
+    return costs
+
+
+def test_a_saved_probe_seeds_a_later_start_with_the_same_estimates(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    record = ProbeRecord.for_runner(tmp_path, runner_like(model), {"max_num_seqs": 32})
+    fresh = StepCosts(512)
+    assert not record.seed(fresh)  # nothing kept yet: the worker probes
+    record.save(measured())
+    later = StepCosts(512)
+    assert ProbeRecord.for_runner(tmp_path, runner_like(model), {"max_num_seqs": 32}).seed(later)
+    assert later.points() == measured().points()
+    assert later.prefill_rows(16) == measured().prefill_rows(16)
+
+
+@pytest.mark.parametrize("change", ["settings", "dtype", "model file", "threads"])
+def test_a_probe_is_not_reused_for_another_setting_model_or_thread_count(
+        tmp_path: Path, change: str) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    ProbeRecord.for_runner(tmp_path, runner_like(model), {"max_num_seqs": 32}).save(measured())
+    settings, runner = {"max_num_seqs": 32}, runner_like(model)
+    threads = torch.get_num_threads()
+    if change == "settings":
+        settings = {"max_num_seqs": 64}
+    elif change == "dtype":
+        runner = runner_like(model, dtype_name="bfloat16")
+    elif change == "model file":
+        model.write_bytes(b"xy")
+    else:
+        torch.set_num_threads(threads + 1)
+    try:
+        assert not ProbeRecord.for_runner(tmp_path, runner, settings).seed(StepCosts(512))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("body", ["not json", json.dumps({"points": {"decode": [], "prefill": []}}),
+                                  json.dumps({"points": {"decode": [[3, 1, 0.1]],
+                                                         "prefill": [[16, 0.01]]}})])
+def test_a_record_that_is_not_a_probe_s_is_ignored(tmp_path: Path, body: str) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    record = ProbeRecord.for_runner(tmp_path, runner_like(model), {})
+    record.path.parent.mkdir(parents=True)
+    record.path.write_text(body)
+    costs = StepCosts(512)
+    assert not record.seed(costs) and costs.points() == {"decode": [], "prefill": []}
