@@ -19,24 +19,32 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import errors, routes, tokenize_routes
+from gateway.body import read_json
 from gateway.config import GatewayConfig
+from gateway.errors import APIError
 from gateway.offload import LoopLag
+from gateway.on_demand import OnDemand, Spawner
 from gateway.openapi import OpenAPIDocument, server_figures
 from gateway.service import GatewayState
 
 
-def create_app(cfg: GatewayConfig) -> Starlette:
-    state = GatewayState(cfg)
+def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
+    state = GatewayState(cfg, spawner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.loop = asyncio.get_running_loop()
         await state.client.start()
         lag = asyncio.create_task(LoopLag(state.metrics.loop_lag.observe).watch(), name="loop-lag")
+        pool = state.models_on_demand
+        sleeper = (asyncio.create_task(pool.sleep_idle(), name="sleep-idle")
+                   if pool is not None and pool.sleep_idle_s > 0 else None)
         try:
             yield
         finally:
             lag.cancel()
+            if sleeper is not None:
+                sleeper.cancel()
             await state.client.close()
             if state.accounting.tracer is not None:
                 state.accounting.tracer.shutdown()  # flush the last spans
@@ -48,6 +56,8 @@ def create_app(cfg: GatewayConfig) -> Starlette:
         Route("/v1/generate", routes.generate, methods=["POST"]),
         Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/models/load", load_model, methods=["POST"]),
+        Route("/models/unload", unload_model, methods=["POST"]),
         Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
         Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -71,6 +81,39 @@ async def list_models(request: Request) -> Response:
     state = _state(request)
     state.auth.check_key(request)
     return JSONResponse({"object": "list", "data": state.models()})
+
+
+async def _pool_request(request: Request) -> tuple[OnDemand, str]:
+    """The on-demand pool and the body's model: 404 without --models-dir, 422 a bad body."""
+    state = _state(request)
+    state.auth.guard(request)
+    pool = state.models_on_demand
+    if pool is None:
+        raise APIError(404, "models are loaded and unloaded by hand only with `kestrel serve "
+                       "--models-dir`", code="not_found")
+    data = await read_json(request, 4096, state.cfg.body_timeout_s, state.intake.readers)
+    name = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise APIError(422, "the body must be {\"model\": ID}", param="model",
+                       code="invalid_value")
+    return pool, name
+
+
+async def load_model(request: Request) -> Response:
+    """POST /models/load {"model": id}: start its worker (if not loaded) and wait for it."""
+    pool, name = await _pool_request(request)
+    if name not in pool.catalog:
+        raise APIError(404, f"model {name!r} is not in the models folder", param="model",
+                       code="model_not_found")
+    await pool.ensure(name, None)
+    return JSONResponse({"model": name, "status": pool.status(name)})
+
+
+async def unload_model(request: Request) -> Response:
+    """POST /models/unload {"model": id}: stop its worker (409 while it has requests)."""
+    pool, name = await _pool_request(request)
+    pool.unload(name)
+    return JSONResponse({"model": name, "status": pool.status(name)})
 
 
 async def health(request: Request) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.settings import setting
 from gateway.reasoning import PARSERS
@@ -24,6 +25,13 @@ class GatewayConfig:
     max_tokens_cap: int = setting(1024, "largest max_tokens a request may ask for")
     default_timeout_s: float = setting(0.0, "deadline of a request that names no timeout, counted "
                                        "from its arrival (0: none, as vLLM and llama.cpp)")
+    models_dir: str = setting("", "kestrel serve only: serve every model in this folder (GGUF "
+                              "files; folders with a config.json), each loaded on demand by "
+                              "its first request")
+    models_max: int = setting(0, "with --models-dir: at most this many models loaded at once, "
+                              "the least recently used idle one unloaded first (0: no bound)")
+    sleep_idle_seconds: float = setting(0.0, "with --models-dir: unload a model nobody asked "
+                                        "for in this many seconds (0: never)")
     max_timeout_s: float = setting(0.0, "longest timeout a request may name; a longer one is "
                                    "held to this (0: any)")
     max_body_bytes: int = setting(1 << 20, "largest request body")
@@ -102,6 +110,10 @@ class GatewayConfig:
             raise ValueError("max_outstanding and max_queue must be >= 0")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
+        if self.models_max < 0 or self.sleep_idle_seconds < 0:
+            raise ValueError("models_max and sleep_idle_seconds must be >= 0 (0: none)")
+        if self.models_dir and not Path(self.models_dir).is_dir():
+            raise ValueError(f"models_dir: no folder {self.models_dir!r}")
         if self.default_timeout_s < 0 or self.max_timeout_s < 0:
             raise ValueError("default_timeout_s and max_timeout_s must be >= 0 (0: none)")
         if self.max_timeout_s and self.default_timeout_s > self.max_timeout_s:

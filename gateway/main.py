@@ -22,6 +22,7 @@ from gateway.api_servers import Children, all_link_addresses, listen_socket, own
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_protocol import guarded_h11
+from gateway.on_demand import Spawner
 from gateway.shared_limits import shared_state_problem
 
 log = logging.getLogger("kestrel.gateway")
@@ -74,7 +75,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
                                       "engine workers.", extra_env={"port": "PORT"})
 
 
-def run(cfg: GatewayConfig) -> None:
+def run(cfg: GatewayConfig, spawner: Spawner | None = None) -> None:
+    """Serve until SIGTERM; `spawner`: the launcher's worker processes for --models-dir."""
     setup_logging(cfg.log_level)
     children = None
     if cfg.api_server_count > 1 and cfg.api_server_index == 0:
@@ -84,7 +86,7 @@ def run(cfg: GatewayConfig) -> None:
         log.info("%d API server processes on port %d; workers join %s", cfg.api_server_count,
                  cfg.port, ",".join(all_link_addresses(cfg)))
     cfg = own_share(cfg)
-    app = create_app(cfg)
+    app = create_app(cfg, spawner)
     # The app ends its own requests at drain_timeout_s (cleanly: an error response or event);
     # uvicorn's own limit, which cancels handlers mid-write, is only a backstop. A float on
     # purpose: uvicorn hands it to asyncio.wait_for, and int() would turn 0.5 s into 0.
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
     problem = cfg.link_problem() or (shared_state_problem(cfg.shared_state)
                                      if cfg.shared_state else None)
+    if cfg.models_dir:  # it takes the launcher, which starts the workers
+        problem = "--models-dir needs `kestrel serve`, which starts the models' workers"
+
     if problem is not None:
         print(f"kestrel-gateway: error: {problem}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ API.
 One way through, whatever the route (`run_route`):
 
     auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ heavy.hold (429: a client's large
-    bodies, a few at once) ──▶ intake.read (413/408/400/422)
+    bodies, a few at once) ──▶ intake.read (413/408/400/422) ──▶ with --models-dir, its model
+    loaded (gateway.on_demand: 503 if it fails to load, 504 at the deadline)
     ──▶ admit.reserve (429) ──▶ intake.prepare (tokens, in a thread) ──▶ admit.check_fit
     ──▶ admit.start (wait for the slot: 504; to a worker: 503) ──▶ the route's formatter,
         streamed (SSE) or collected ──▶ accounting.record, on every exit
@@ -27,6 +28,7 @@ from gateway.errors import APIError, error_body, error_response
 from gateway.formatters import FORMATTERS, Formatter
 from gateway.generation import EngineFailure, Generation
 from gateway.intake import EngineRequest
+from gateway.on_demand import OnDemand
 from gateway.service import GatewayState
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
 
@@ -46,6 +48,15 @@ async def run_route(request: Request, route: str) -> Response:
         state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
         with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
             draft = await state.intake.read(route, request, arrival)
+            pool = state.models_on_demand
+            if pool is not None:  # --models-dir: its model's worker started and joined first
+                loaded = await until_disconnect(request.receive,
+                                                _loaded(pool, draft.body.model, draft.deadline),
+                                                _nothing)
+                if loaded is None:
+                    record(route, 499, None, arrival, request_id, "aborted")
+                    return Response(status_code=499)
+            # no await from here to the reservation: an idle model is unloaded only between
             ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
             # Tokenizing happens while the ticket holds its place (or its slot) in the queue; a
             # client that leaves meanwhile gives it back at once.
@@ -91,6 +102,11 @@ async def run_route(request: Request, route: str) -> Response:
 
 async def _nothing() -> None:
     return None
+
+
+async def _loaded(pool: OnDemand, model: str | None, deadline: float | None) -> bool:
+    await pool.ensure(model, deadline)
+    return True
 
 
 async def _close(gen: Generation) -> None:

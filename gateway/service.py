@@ -22,13 +22,14 @@ from gateway.engine_client import EngineClient
 from gateway.heavy import Heavy
 from gateway.intake import Intake
 from gateway.metrics import Metrics
+from gateway.on_demand import OnDemand, Spawner
 from gateway.rate_limit import RateLimiter
 from gateway.shared_limits import SharedRateLimiter
 from gateway.tracing import RequestTracer
 
 
 class GatewayState:
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, spawner: Spawner | None = None) -> None:
         self.cfg = cfg
         self.client = EngineClient.from_config(cfg)
         self.metrics = Metrics(lambda: list(self.client.workers.values()))
@@ -43,6 +44,10 @@ class GatewayState:
         self.admission = self.admit.admission
         self.accounting.watch(self.admission, self.client)
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())
+        # `kestrel serve --models-dir`: models loaded on demand (None: the workers that join)
+        self.models_on_demand = None if spawner is None else OnDemand(
+            spawner, self.client.registry, self._busy, cfg.models_max, cfg.sleep_idle_seconds,
+            self.metrics.registry)
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
         self.http_in_flight = [0]  # HTTP requests in progress (errors.CatchAll counts them)
 
@@ -50,9 +55,15 @@ class GatewayState:
     def draining(self) -> bool:
         return self.admit.draining
 
+    def _busy(self, model_id: str) -> int:
+        adm = self.admission.by_model.get(model_id)
+        return 0 if adm is None else adm.outstanding + adm.waiting
+
     @property
     def ready(self) -> bool:
-        return self.client.ready and not self.draining and not self.admission.queue_full
+        # on demand, a server with nothing loaded is ready: a request loads what it asks for
+        serving = self.client.ready or self.models_on_demand is not None
+        return serving and not self.draining and not self.admission.queue_full
 
     @property
     def idle(self) -> bool:
@@ -99,6 +110,7 @@ class GatewayState:
 
     def models(self) -> list[dict[str, Any]]:
         data = []
+        pool = self.models_on_demand
         for entry in self.client.models.values():
             h = entry.hello
             # An alias is listed as a model of its own (as vLLM lists every served name);
@@ -107,5 +119,11 @@ class GatewayState:
                 data.append({"id": name, "object": "model", "created": entry.created,
                              "owned_by": "kestrel", "root": entry.model_id,
                              "max_model_len": h.max_model_len, "dtype": h.dtype,
-                             "quantization": h.quantization, "weight_bytes": h.weight_bytes})
+                             "quantization": h.quantization, "weight_bytes": h.weight_bytes,
+                             **({} if pool is None else {"status": pool.status(entry.model_id)})})
+        if pool is not None:  # the folder's models without a worker now: loading or unloaded
+            listed = {d["id"] for d in data}
+            data += [{"id": model_id, "object": "model", "created": 0, "owned_by": "kestrel",
+                      "root": model_id, "status": pool.status(model_id)}
+                     for model_id in pool.catalog if model_id not in listed]
         return data

@@ -39,7 +39,10 @@ async def _body(request: Request, schema: type[RequestBase]) -> tuple[GatewaySta
     state.auth.guard(request)
     data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
                            state.intake.readers)
-    return state, parse_body(schema, data)
+    body = parse_body(schema, data)
+    if state.models_on_demand is not None:  # the tokenizer comes with the model's worker
+        await state.models_on_demand.ensure(body.model, None)
+    return state, body
 
 
 async def tokenize(request: Request) -> Response:

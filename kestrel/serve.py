@@ -1,8 +1,11 @@
-"""`kestrel serve [MODEL] [flags]` (and `kestrel-serve`): the gateway and one worker on this host.
+"""`kestrel serve [MODEL] [flags]` (and `kestrel-serve`): the gateway and one worker on this host,
+or, with `--models-dir DIR`, the gateway and a worker per model of the folder, each started by
+its first request (kestrel/worker_processes.py, gateway/on_demand.py).
 
     argv ──one parser built from GatewayConfig and WorkerConfig──▶ both configs, validated here
-      ──▶ worker: a child process handed its config as KESTREL_* variables
-      ──▶ gateway: runs in this process until SIGTERM/SIGINT; then the worker is stopped
+      ──▶ worker: a child process handed its config as KESTREL_* variables (--models-dir: MODEL,
+          if given, started at once; the others when asked for)
+      ──▶ gateway: runs in this process until SIGTERM/SIGINT; then the workers are stopped
 
 The flags are the two processes' own settings fields, grouped by process in --help, so a field
 either process gains is a `kestrel serve` flag with no change here. A field both processes have
@@ -34,10 +37,12 @@ from typing import NoReturn
 
 from common.settings import add_settings, env_name, new_parser, settings_environ, settings_from
 from engine_worker.config import WorkerConfig
+from engine_worker.naming import gguf_model_name
 from gateway.api_servers import all_link_addresses
 from gateway.config import GatewayConfig
 from gateway.main import run
 from kestrel.vllm_flags import unsupported_reason
+from kestrel.worker_processes import WorkerProcesses, catalog
 
 log = logging.getLogger("kestrel.serve")
 
@@ -175,6 +180,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kestrel serve") -> i
     gateway_cfg, worker_cfg = parse(argv, prog=prog)
     if gateway_cfg.engine_address.startswith("ipc://"):
         private_dir(Path(gateway_cfg.engine_address.removeprefix("ipc://")).parent)
+    if gateway_cfg.models_dir:
+        return serve_folder(gateway_cfg, worker_cfg, argv)
     env = {**os.environ, **settings_environ(worker_cfg)}
     worker = subprocess.Popen([sys.executable, "-m", "engine_worker.main"], env=env)
     stopping = threading.Event()
@@ -192,6 +199,41 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kestrel serve") -> i
             worker.kill()
             worker.wait()
     return 1 if worker.returncode not in (0, -signal.SIGTERM) else 0
+
+
+def serve_folder(gateway_cfg: GatewayConfig, worker_cfg: WorkerConfig,
+                 argv: Sequence[str] | None) -> int:
+    """--models-dir: the gateway with a worker per model, started on demand; MODEL (when given
+    on the command line) at once."""
+    if gateway_cfg.api_server_count > 1:
+        raise SystemExit("kestrel serve: --models-dir runs one API server process (its loads "
+                         "and unloads are decided in one place): drop --api-server-count")
+    models = catalog(Path(gateway_cfg.models_dir))
+    if not models:
+        raise SystemExit(f"kestrel serve: {gateway_cfg.models_dir} holds no model (GGUF files, "
+                         "folders with a config.json)")
+    asked = _model_given(argv)
+    if asked is not None and asked not in models:
+        path = Path(asked).expanduser()
+        models = {**models, (gguf_model_name(path) if path.suffix == ".gguf" else path.name):
+                  str(path)}
+    workers = WorkerProcesses(worker_cfg, models)
+    if asked is not None:
+        workers.start(next(m for m, p in models.items() if asked in (m, p)))
+    log.info("serving %d models from %s: %s", len(models), gateway_cfg.models_dir,
+             ", ".join(models))
+    try:
+        run(gateway_cfg, workers)
+    finally:
+        workers.stop_all(gateway_cfg.drain_timeout_s + 5)
+    return 0
+
+
+def _model_given(argv: Sequence[str] | None) -> str | None:
+    """The MODEL or --model of the command line or environment (the worker's default model
+    otherwise is not asked for)."""
+    args, _ = build_parser().parse_known_args(argv)
+    return args.model_arg or getattr(args, "worker.model") or os.environ.get(env_name("model"))
 
 
 def script_main() -> int:
