@@ -3,10 +3,12 @@
     RunnerConfig(gguf_path=..., dense_min_rows=AUTO) -> build_model (model/builder.py)
       -> choose_paths(gguf, cfg, cache_dir)
            key = CPU flags, torch version, ISA caps, threads, layer shapes
-           <cache_dir>/paths/<key>.json exists? -> that choice (milliseconds)
+           <cache_dir>/paths/<key>.json exists and confirmed? -> that choice (milliseconds)
            else: one layer's real blocks, each candidate this CPU has the instructions for,
                  timed at the row counts serving uses (decode batches 1..32, a prefill chunk)
-                 -> the fastest per row count -> written there, logged
+                 -> the fastest per row count -> written there, logged; confirmed once a
+                 later start's measurement chose the same paths (a choice measured at one
+                 busy start is checked again at the next, until two agree)
       -> load_gguf_model(compute_dtype=..., dense_min_rows=...) and Int8GroupLinear's
          many-row dtype
 
@@ -34,7 +36,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,11 @@ class PathChoice:
     native_bf16: bool  # whether a bfloat16 copy was a candidate at all
     timings_ms: dict[str, dict[str, float]]  # candidate -> rows -> ms for one layer's matmuls
     int_dot_rows: int = 0  # up to this many rows the integer-dot kernel; 0: never
+    confirmed: bool = False  # two measurements in a row chose these paths
+
+    def same_paths(self, other: PathChoice) -> bool:
+        return (self.compute_dtype, self.dense_dtype, self.dense_min_rows, self.int_dot_rows) \
+            == (other.compute_dtype, other.dense_dtype, other.dense_min_rows, other.int_dot_rows)
 
     def describe(self) -> str:
         dense = f"a {self.dense_dtype} copy from {self.dense_min_rows} rows" \
@@ -180,13 +187,14 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     key = _key([*shapes, num_layers, copy_budget, native_q8, int_dot_isa])
     path = Path(cache_dir) / "paths" / f"{key}.json"
     bf16 = native_bf16()
+    saved: PathChoice | None = None
     try:
-        saved = json.loads(path.read_text())
-        choice = PathChoice(**saved)
-        log.info("compute paths for this host (cached in %s): %s", path, choice.describe())
-        return choice
+        saved = PathChoice(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
+    if saved is not None and saved.confirmed:
+        log.info("compute paths for this host (cached in %s): %s", path, saved.describe())
+        return saved
     t0 = time.monotonic()
     dev = torch.device(device)
     f32, b16 = torch.float32, torch.bfloat16
@@ -201,8 +209,14 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
                      for b in blocks]
               for name, (dtype, dense, dense_dtype, dot) in candidates.items()}
     choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)
-    log.info("compute paths for this host, measured in %.1f s: %s; ms per layer by rows: %s",
-             time.monotonic() - t0, choice.describe(), json.dumps(choice.timings_ms))
+    if saved is not None:  # the earlier start's choice, checked again by this measurement
+        choice = replace(choice, confirmed=choice.same_paths(saved))
+    log.info("compute paths for this host, measured in %.1f s: %s (%s); ms per layer by rows: "
+             "%s", time.monotonic() - t0, choice.describe(),
+             "the first measurement" if saved is None else
+             "as the last start's: kept" if choice.confirmed else
+             f"the last start's differed ({saved.describe()}): measured again at the next",
+             json.dumps(choice.timings_ms))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -77,27 +77,51 @@ def tiny_q4(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                       cfg.num_heads, cfg.num_kv_heads)
 
 
-def test_choice_is_measured_once_then_read_from_the_cache_dir(
+def test_choice_is_measured_until_two_starts_agree_then_read_from_the_cache_dir(
         tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="kestrel.paths"):
         first = choose_paths(tiny_q4, tmp_path, num_layers=2)
-    assert "measured in" in caplog.text
+    assert "measured in" in caplog.text and not first.confirmed
     [saved] = (tmp_path / "paths").glob("*.json")
     timed = json.loads(saved.read_text())["timings_ms"]
     assert {"packed-bfloat16", "packed-float32", "dense-float32"} <= set(timed)
     assert ("dense-bfloat16" in timed) == native_bf16()  # no emulated bfloat16 copy
     assert first.compute_dtype in ("bfloat16", "float32")
 
+    # the next start measures again; the same paths chosen: confirmed, and kept from then on
+    monkeypatch.setattr(path_choice, "measure", lambda *_a, **_k: first.timings_ms)
+    second = choose_paths(tiny_q4, tmp_path, num_layers=2)
+    assert second.confirmed and second.same_paths(first)
+
     def no_timing(*_a: object, **_k: object) -> None:
         raise AssertionError("measured again")
 
     monkeypatch.setattr(path_choice, "measure", no_timing)
-    assert choose_paths(tiny_q4, tmp_path, num_layers=2) == first
+    assert choose_paths(tiny_q4, tmp_path, num_layers=2) == second
     # Another ISA cap is another host as far as the choice goes: its own key.
     monkeypatch.setenv("KESTREL_CPU_ISA", "native-for-this-test")
     with pytest.raises(AssertionError, match="measured again"):
         choose_paths(tiny_q4, tmp_path, num_layers=2)
+
+
+def timings(copy_from: int) -> dict[str, dict[str, float]]:
+    """Made-up timings: the packed bfloat16 path fastest below `copy_from` rows, the float32
+    copy from there on."""
+    rows = (*path_choice.DECODE_ROWS, *path_choice.PREFILL_ROWS)
+    return {"packed-bfloat16": {str(r): float(r) for r in rows},
+            "packed-float32": {str(r): 2.0 * r for r in rows},
+            "dense-float32": {str(r): (0.5 if r >= copy_from else 3.0) * r for r in rows}}
+
+
+def test_a_choice_the_next_start_disagrees_with_is_measured_again(
+        tiny_q4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One busy start's choice (a copy from 8 rows) is not kept for good: the next start chose
+    a copy from 16 rows, so the start after it measures once more, and agrees."""
+    for copy_from, confirmed in ((8, False), (16, False), (16, True)):
+        monkeypatch.setattr(path_choice, "measure", lambda *_a, c=copy_from, **_k: timings(c))
+        choice = choose_paths(tiny_q4, tmp_path, num_layers=2)
+        assert (choice.dense_min_rows, choice.confirmed) == (copy_from, confirmed)
 
 
 def test_a_copy_over_the_memory_budget_is_no_candidate(tiny_q4: Path, tmp_path: Path) -> None:
