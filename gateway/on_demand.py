@@ -145,6 +145,8 @@ class OnDemand:
         running = [m for m in self.catalog if self.spawner.running(m)]  # stopping ones count
         if not self.models_max or len(running) < self.models_max:
             return True
+        if any(self._stopping(m) for m in running):
+            return False  # one is on its way out already: its room, not another victim's
         idle = [m for m in running if m != model_id and not self._stopping(m) and self._idle(m)]
         if not idle:
             return False

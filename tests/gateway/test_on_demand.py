@@ -24,18 +24,26 @@ class FakeSpawner:
         self.started: list[str] = []
         self.join_s = join_s
         self.joined_at: dict[str, float] = {}
+        self.exit_s = 0.0  # how long a stopped process takes to exit
+        self.stopped_at: dict[str, float] = {}
 
     def start(self, model_id: str) -> None:
         self.started.append(model_id)
+        self.stopped_at.pop(model_id, None)
         if model_id in self.failing:
             return  # exits at once
         self.alive.add(model_id)
         self.joined_at[model_id] = time.monotonic() + self.join_s
 
     def stop(self, model_id: str) -> None:
-        self.alive.discard(model_id)
+        self.stopped_at[model_id] = time.monotonic()
+        if not self.exit_s:
+            self.alive.discard(model_id)
 
     def running(self, model_id: str) -> bool:
+        gone = self.stopped_at.get(model_id, float("inf")) + self.exit_s <= time.monotonic()
+        if gone:
+            self.alive.discard(model_id)
         return model_id in self.alive
 
     def failure(self, model_id: str) -> str | None:
@@ -139,3 +147,15 @@ def test_names_outside_the_folder_are_left_to_the_route() -> None:
     assert spawner.started == []
     asyncio.run(p.ensure(None, None))  # no model named: the folder's first
     assert spawner.started == ["a"]
+
+
+def test_a_model_on_its_way_out_makes_the_room_and_no_second_one_is_unloaded_for_it() -> None:
+    """--models-max 2 with a and b loaded: c's request unloads one of them, waits for its
+    process to exit, and leaves the other loaded (it once unloaded both while the first
+    drained)."""
+    p, spawner = pool(["a", "b", "c"], models_max=2)
+    for m in ("a", "b"):
+        asyncio.run(p.ensure(m, None))
+    spawner.exit_s = 0.3
+    asyncio.run(p.ensure("c", None))
+    assert spawner.alive == {"b", "c"} and p.unloads.labels("lru")._value.get() == 1
