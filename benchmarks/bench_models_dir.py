@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         listed = httpx.get(url + "/v1/models").json()["data"]
         result["listed"] = {d["id"]: d["status"] for d in listed}
         turns, most = [], 0
-        for model in ("smollm2", "qwen-0.5b", "qwen-1.5b", "smollm2", "qwen-1.5b"):
+        for model in ("smollm2", "qwen-0.5b", "qwen-1.5b", "smollm2", "qwen-0.5b", "qwen-1.5b"):
             seconds, answered = first_token_s(url, model)
             procs = workers(serve)
             most = max(most, len(procs))
