@@ -1,6 +1,7 @@
 """Seconds from a worker's start to the gateway's /health/ready, and the worker's RSS then.
 
     python benchmarks/start_time.py TREE GGUF LABEL
+    python benchmarks/start_time.py --llama-server PATH GGUF LABEL   (llama.cpp's, -t 2 -c 4096)
 
 TREE: a checkout whose gateway and worker are run (this one, or a worktree of an older commit,
 to compare both in one session); the interpreter is the one running this script. The worker
@@ -26,7 +27,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rss_line(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return " ".join(" ".join(line.split()) for line in f
+                        if line.startswith(("VmRSS", "RssAnon", "RssFile")))
+
+
+def llama(binary: str, gguf: str, label: str) -> int:
+    """llama-server on the same file: seconds from its start to /health answering 200."""
+    port = free_port()
+    started = time.monotonic()
+    proc = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "-t", "2", "-c", "4096"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit("llama-server exited")
+            time.sleep(0.25)
+        print(label, f"ready after {time.monotonic() - started:.1f} s;", rss_line(proc.pid))
+    finally:
+        proc.kill()
+        proc.wait(30)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1] == "--llama-server":
+        return llama(*sys.argv[2:5])
     tree, gguf, label = sys.argv[1:4]
     port = free_port()
     link = f"ipc://{tempfile.gettempdir()}/kestrel-start-{free_port()}"
@@ -52,10 +84,7 @@ def main() -> int:
                 raise SystemExit("the worker exited")
             time.sleep(0.25)  # a lighter poll: the worker has the two cores to itself
         ready = time.monotonic() - started
-        with open(f"/proc/{wk.pid}/status") as f:
-            rss = [" ".join(line.split()) for line in f
-                   if line.startswith(("VmRSS", "RssAnon", "RssFile"))]
-        print(label, f"ready after {ready:.1f} s;", " ".join(rss))
+        print(label, f"ready after {ready:.1f} s;", rss_line(wk.pid))
     finally:
         wk.kill()
         gw.terminate()
