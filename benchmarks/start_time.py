@@ -33,6 +33,20 @@ def rss_line(pid: int) -> str:
                         if line.startswith(("VmRSS", "RssAnon", "RssFile")))
 
 
+def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str) -> None:
+    """Until `url` answers 200 (SystemExit if `proc` ends first). A light poll: the process
+    timed has the two cores to itself."""
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited")
+        time.sleep(0.25)
+
+
 def llama(binary: str, gguf: str, label: str) -> int:
     """llama-server on the same file: seconds from its start to /health answering 200."""
     port = free_port()
@@ -40,15 +54,7 @@ def llama(binary: str, gguf: str, label: str) -> int:
     proc = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "-t", "2", "-c", "4096"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit("llama-server exited")
-            time.sleep(0.25)
+        wait_ok(f"http://127.0.0.1:{port}/health", proc, "llama-server")
         print(label, f"ready after {time.monotonic() - started:.1f} s;", rss_line(proc.pid))
     finally:
         proc.kill()
@@ -74,15 +80,7 @@ def main() -> int:
                            "--kv-cache-mb", "256", "--gateway-address", link],
                           **quiet)  # type: ignore[call-overload]
     try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if wk.poll() is not None:
-                raise SystemExit("the worker exited")
-            time.sleep(0.25)  # a lighter poll: the worker has the two cores to itself
+        wait_ok(f"http://127.0.0.1:{port}/health/ready", wk, "the worker")
         ready = time.monotonic() - started
         print(label, f"ready after {ready:.1f} s;", rss_line(wk.pid))
     finally:
