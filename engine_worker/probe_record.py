@@ -63,8 +63,10 @@ class ProbeRecord:
             "model": [str(model.resolve()), st.st_size, st.st_mtime_ns],
             "dtype": runner.dtype_name, "device": str(runner.device),
             "paged": runner.paged_decode, "stack": runner.model.decode_stack is not None,
-            "compiled": runner.compiled is not None, "blocks": runner.num_blocks,
-            "block_size": runner.block_size, "max_model_len": runner.max_model_len,
+            "compiled": runner.compiled is not None, "block_size": runner.block_size,
+            # the probe's decode context is 16 blocks, shorter only in a shorter context; the
+            # cache's size is no cost (a --kv-cache-memory fraction differs at every start)
+            "context": min(runner.max_model_len, 16 * runner.block_size + 1),
             **settings,
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())

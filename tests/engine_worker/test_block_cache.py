@@ -130,6 +130,17 @@ def test_a_saved_probe_seeds_a_later_start_with_the_same_estimates(tmp_path: Pat
     assert later.prefill_rows(16) == measured().prefill_rows(16)
 
 
+def test_a_probe_is_reused_whatever_the_kv_cache_s_size(tmp_path: Path) -> None:
+    """A --kv-cache-memory fraction gives another cache size (and context) at every start."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    ProbeRecord.for_runner(tmp_path, runner_like(model), {}).save(measured())
+    bigger = runner_like(model, num_blocks=4096, max_model_len=8192)
+    assert ProbeRecord.for_runner(tmp_path, bigger, {}).seed(StepCosts(512))
+    short = runner_like(model, max_model_len=128)  # the probe's context itself is shorter
+    assert not ProbeRecord.for_runner(tmp_path, short, {}).seed(StepCosts(512))
+
+
 @pytest.mark.parametrize("change", ["settings", "dtype", "model file", "threads"])
 def test_a_probe_is_not_reused_for_another_setting_model_or_thread_count(
         tmp_path: Path, change: str) -> None:
