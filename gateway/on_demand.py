@@ -1,7 +1,8 @@
 """Models loaded on demand (`kestrel serve --models-dir DIR`): which are loaded, which to start
 for a request, which to unload, as llama.cpp's router mode and Ollama do.
 
-    a request for model M ──ensure(M, deadline)──▶ M has a ready worker: go on
+    a request for model M ──ensure(M, deadline)──▶ M has a ready worker: go on (a stream is
+        answered 200 first and kept alive meanwhile: gateway.routes)
         M unloaded: unload the least recently used idle model if --models-max are up, start M's
         worker (the launcher's Spawner: kestrel/worker_processes.py), wait for it to join
         (503 model_load_failed naming why its process ended; 504 at the request's deadline)
@@ -101,6 +102,11 @@ class OnDemand:
         """What a request naming no model gets: the first loaded, else the catalog's first."""
         loaded = next(iter(self.registry.models), None)
         return loaded or next(iter(self.catalog), None)
+
+    def ready(self, name: str | None) -> bool:
+        """Whether a request for `name` would go on at once (a name outside the folder does)."""
+        model_id = name or self.default_model()
+        return model_id is None or model_id not in self.catalog or self._ready(model_id)
 
     async def ensure(self, name: str | None, deadline: float | None) -> None:
         """Return once the model `name` (an id of the catalog; other names are left to the

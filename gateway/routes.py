@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -27,7 +28,7 @@ from gateway.admission import Ticket
 from gateway.errors import APIError, error_body, error_response
 from gateway.formatters import FORMATTERS, Formatter
 from gateway.generation import EngineFailure, Generation
-from gateway.intake import EngineRequest
+from gateway.intake import Draft, EngineRequest
 from gateway.on_demand import OnDemand
 from gateway.service import GatewayState
 from gateway.streaming import SSEResponse, sse_event, until_disconnect
@@ -49,6 +50,12 @@ async def run_route(request: Request, route: str) -> Response:
         with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
             draft = await state.intake.read(route, request, arrival)
             pool = state.models_on_demand
+            if pool is not None and draft.stream and not pool.ready(draft.body.model):
+                # --models-dir, a stream whose model is not loaded: answer 200 now and keep it
+                # alive while the worker starts; the rest of its way in runs inside the stream
+                loading = _Loading(state, draft, key)
+                return _stream(state, route, arrival, draft.deadline, request_id, headers,
+                               opening=loading.open, abandon=loading.abandon)
             if pool is not None:  # --models-dir: its model's worker started and joined first
                 loaded = await until_disconnect(request.receive,
                                                 _loaded(pool, draft.body.model, draft.deadline),
@@ -71,7 +78,13 @@ async def run_route(request: Request, route: str) -> Response:
         if draft.stream and not ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.
-            return _stream(state, req, None, request_id, headers, pending=ticket)
+            pending = ticket
+
+            async def from_queue() -> tuple[EngineRequest, Generation]:
+                return req, await state.admit.start(req, pending)
+
+            return _stream(state, route, arrival, req.deadline, request_id, headers,
+                           opening=from_queue, abandon=pending.cancel)
         start, ticket = state.admit.start(req, ticket), None  # it always gives the ticket back
         # A client that leaves while its request waits in the queue gives its place back now,
         # not when the request would have reached a worker.
@@ -96,7 +109,7 @@ async def run_route(request: Request, route: str) -> Response:
             ticket.cancel()
         raise
     if draft.stream:
-        return _stream(state, req, gen, request_id, headers)
+        return _stream(state, route, arrival, req.deadline, request_id, headers, req, gen)
     return await _collect(state, request, req, FORMATTERS[route](req, gen), request_id, headers)
 
 
@@ -113,27 +126,56 @@ async def _close(gen: Generation) -> None:
     await gen.close()
 
 
-def _stream(state: GatewayState, req: EngineRequest, gen: Generation | None, request_id: str,
-            headers: dict[str, str], pending: Ticket | None = None) -> SSEResponse:
-    """The SSE answer of a stream: for `gen`, or, with `pending`, for the request that waits
-    in the queue for its ticket (started inside the stream, its errors sent as events)."""
-    route, arrival = req.route, req.arrival
+class _Loading:
+    """A stream's way in while its model loads (--models-dir), run inside the stream: the
+    model, its place in the queue, its tokens, the fit, its start; each refusal an event."""
+
+    def __init__(self, state: GatewayState, draft: Draft, key: str | None) -> None:
+        self.state, self.draft, self.key = state, draft, key
+        self.ticket: Ticket | None = None
+
+    async def open(self) -> tuple[EngineRequest, Generation]:
+        state, draft = self.state, self.draft
+        assert state.models_on_demand is not None
+        await state.models_on_demand.ensure(draft.body.model, draft.deadline)
+        self.ticket = state.admit.reserve(draft)  # no await since the model was found ready
+        req = await state.intake.prepare(draft, self.key)
+        state.admit.check_fit(req, self.ticket)
+        ticket, self.ticket = self.ticket, None
+        return req, await state.admit.start(req, ticket)  # it always gives the ticket back
+
+    def abandon(self) -> None:
+        if self.ticket is not None:
+            self.ticket.cancel()
+            self.ticket = None
+
+
+def _stream(state: GatewayState, route: str, arrival: float, deadline: float | None,
+            request_id: str, headers: dict[str, str], req: EngineRequest | None = None,
+            gen: Generation | None = None,
+            opening: Callable[[], Awaitable[tuple[EngineRequest, Generation]]] | None = None,
+            abandon: Callable[[], None] | None = None) -> SSEResponse:
+    """The SSE answer of a stream: for `gen`, or for the request that `opening` starts inside
+    the stream (one waiting in the queue for its ticket, or for its model to load), its
+    errors sent as events; `abandon` gives back what it holds when the client leaves first."""
     outcome: dict[str, Any] = {"status": 200, "finish": None, "gen": gen}
 
     async def on_disconnect() -> None:
         outcome["finish"] = "aborted"
         if outcome["gen"] is not None:
             await outcome["gen"].close()
-        elif pending is not None:
-            pending.cancel()
+        elif abandon is not None:
+            abandon()
 
     async def events():  # type: ignore[no-untyped-def]
         try:
+            opened_req = req
             if outcome["gen"] is None:
-                assert pending is not None
-                outcome["gen"] = await state.admit.start(req, pending)
+                assert opening is not None
+                opened_req, outcome["gen"] = await opening()
+            assert opened_req is not None
             g: Generation = outcome["gen"]
-            fmt = FORMATTERS[route](req, g)
+            fmt = FORMATTERS[route](opened_req, g)
             # Each step's chunks leave in one write (a socket write per chunk costs the loop).
             if chunks := fmt.stream_start():
                 yield b"".join(map(sse_event, chunks))
@@ -144,7 +186,7 @@ def _stream(state: GatewayState, req: EngineRequest, gen: Generation | None, req
                 yield b"".join(map(sse_event, chunks))
             if "timeout" in g.finish_reasons:
                 outcome["finish"] = "timeout"
-        except APIError as exc:  # from starting a queued request: 504, 503
+        except APIError as exc:  # from opening it: a 504, a 503, a refusal of its way in
             outcome["status"] = exc.status
             yield sse_event(error_body(exc.status, exc.message, code=exc.code))
         except EngineFailure as exc:
@@ -160,13 +202,13 @@ def _stream(state: GatewayState, req: EngineRequest, gen: Generation | None, req
             with anyio.CancelScope(shield=True):
                 if outcome["gen"] is not None:
                     await outcome["gen"].close()
-                elif pending is not None:
-                    pending.cancel()
+                elif abandon is not None:
+                    abandon()
             state.accounting.record(route, int(outcome["status"]), outcome["gen"], arrival,
                                     request_id, outcome["finish"])
         yield DONE
 
-    return SSEResponse(events(), on_disconnect, headers, deadline=req.deadline,
+    return SSEResponse(events(), on_disconnect, headers, deadline=deadline,
                        keepalive_s=state.cfg.sse_keepalive_s,
                        send_timeout_s=state.cfg.send_timeout_s)
 

@@ -72,7 +72,7 @@ def wait_for(check, timeout: float = 60) -> None:  # noqa: ANN001
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
     models = folder(tmp_path_factory.mktemp("models-dir"))
     with ServeProc("--models-dir", str(models), "--models-max", "1", "--kv-cache-mb", "64",
-                   "--threads", "1") as srv:
+                   "--threads", "1", "--sse-keepalive-s", "0.5") as srv:
         srv.wait_ready(timeout=60)
         yield srv
 
@@ -111,6 +111,29 @@ def test_models_max_1_switches_under_concurrent_requests_for_two_models(
     assert [a.model for a in answers] == asked  # none lost, none answered by the other model
     assert all(a.choices[0].text.strip().startswith("Paris") for a in answers)
     assert most[0] == 1  # never two models' workers at once
+
+
+def test_a_stream_for_an_unloaded_model_is_kept_alive_while_it_loads(served: ServeProc) -> None:
+    httpx.post(served.base_url + "/models/load", json={"model": "alpha"}, timeout=120)
+    assert statuses(served)["beta"] == "unloaded"
+    lines = []
+    with httpx.stream("POST", served.base_url + "/v1/completions", json={
+            "model": "beta", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "stream": True}, timeout=180) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: {"))
+    assert any(line.startswith(": keep-alive") for line in lines[:first_data])
+    assert lines[-1] == "data: [DONE]" and '"model":"beta"' in lines[first_data].replace(" ", "")
+
+
+def test_a_stream_for_a_model_that_fails_to_load_gets_the_error_as_an_event(
+        served: ServeProc) -> None:
+    with httpx.stream("POST", served.base_url + "/v1/completions", json={
+            "model": "broken", "prompt": PROMPT, "max_tokens": 4, "stream": True},
+            timeout=120) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert '"model_load_failed"' in lines[0] and lines[-1] == "data: [DONE]"
 
 
 def test_a_model_that_fails_to_load_answers_503_naming_why(served: ServeProc) -> None:
