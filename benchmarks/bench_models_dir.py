@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_vs_llamacpp import free_port, stop  # noqa: E402
+from benchmarks.bench_vs_llamacpp import free_port, stop, wait_ready  # noqa: E402
 from engine_worker.config import cache_dir_from_env  # noqa: E402
 from engine_worker.model.loader import embedded_gguf_path  # noqa: E402
 
@@ -81,13 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr=subprocess.DEVNULL)
     result: dict[str, object] = {"models_max": args.models_max}
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, serve)
         listed = httpx.get(url + "/v1/models").json()["data"]
         result["listed"] = {d["id"]: d["status"] for d in listed}
         turns, most = [], 0
