@@ -50,7 +50,7 @@ def mask_cost(path: Path, batch: int) -> tuple[float, float, float, int]:
     from tokenizers import Tokenizer
 
     from engine_worker.grammar import GrammarCompiler, advance_all
-    from gateway.structured import json_grammar
+    from gateway.prompt.structured import json_grammar
 
     tok_json = (path / "tokenizer.json").read_text()
     cfg = json.loads((path / "config.json").read_text())
@@ -113,7 +113,7 @@ def main() -> None:
     from engine_worker.model.loader import resolve_checkpoint
     from engine_worker.model_runner import ModelRunner
     from engine_worker.runner_config import RunnerConfig
-    from gateway.structured import json_grammar
+    from gateway.prompt.structured import json_grammar
 
     path = resolve_checkpoint(args.model, Path(default_cache_dir()))
     print("| batch | llguidance masks + unpack, median us | + applied to logits, median us | "

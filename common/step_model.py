@@ -1,6 +1,6 @@
 """A step's cost from measured points: what the worker sizes its steps with and the gateway
 admits by. Plain numbers in, seconds out; the worker measures (engine_worker.step_costs), the
-Stats heartbeat carries the points, the gateway reads them (gateway.backlog).
+Stats heartbeat carries the points, the gateway reads them (gateway.admission.backlog).
 
     decode_seconds(points, rows): points are (decode rows, seconds of a decode-only step)
     prefill_row_seconds(buckets, rows): buckets are (rows bucket, seconds a prompt row adds)

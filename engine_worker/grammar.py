@@ -1,7 +1,7 @@
 """Constrained decoding in the worker: one llguidance matcher per sequence, one token mask per step.
 
 Data flow for a request that carries a grammar (`Generate.grammar`, llguidance's JSON grammar
-string, built and validated by the gateway's `gateway.structured`):
+string, built and validated by the gateway's `gateway.prompt.structured`):
 
     Engine.add ──GrammarCompiler.matcher(grammar)──▶ one GrammarMatcher per choice (sequence)
     Engine._sample:  allowed_tokens(matchers) ──▶ (S, V) bool mask ──▶ Sampler (after penalties,

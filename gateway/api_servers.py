@@ -7,8 +7,8 @@
           connections), its own engine link at link_address(E, i) = tcp://H:E+i (ipc: PATH.i)
       every worker: joins all K links (--gateway-address with the K addresses, comma-separated)
           and announces 1/K of its max_num_seqs on each, so the K admit together what one would
-      shared: the per-client rate limit (gateway.shared_limits: buckets in one file, all map it)
-      split: max_queue and a fixed max_outstanding, 1/K each
+      shared: the per-client rate limit (gateway.admission.shared_limits: buckets in one file, all
+      map it) split: max_queue and a fixed max_outstanding, 1/K each
       per process: /metrics and /health (a scrape through P sees one process's figures)
 
 Process 0 forwards SIGTERM/SIGINT to the others (each drains as one gateway would) and waits for

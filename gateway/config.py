@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.settings import setting
-from gateway.reasoning import PARSERS
-from gateway.router import ROUTING_POLICIES
+from gateway.engine.router import ROUTING_POLICIES
+from gateway.output.reasoning import PARSERS
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 

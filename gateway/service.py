@@ -4,7 +4,7 @@
     admit.reserve ──▶ intake.prepare ──▶ admit.check_fit / admit.start ──▶ formatters (routes)
     ──▶ accounting.record
 
-The request path itself reads in gateway.routes. Here: the shutdown drain, readiness, and what
+The request path itself reads in gateway.api.routes. Here: the shutdown drain, readiness, and what
 /health and /v1/models show.
 """
 
@@ -14,18 +14,18 @@ import asyncio
 import time
 from typing import Any
 
-from gateway.accounting import Accounting
-from gateway.admit import Admitter
-from gateway.auth import Auth
+from gateway.admission.admit import Admitter
+from gateway.admission.auth import Auth
+from gateway.admission.heavy import Heavy
+from gateway.admission.rate_limit import RateLimiter
+from gateway.admission.shared_limits import SharedRateLimiter
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
-from gateway.heavy import Heavy
-from gateway.intake import Intake
-from gateway.metrics import Metrics
-from gateway.on_demand import OnDemand, Spawner
-from gateway.rate_limit import RateLimiter
-from gateway.shared_limits import SharedRateLimiter
-from gateway.tracing import RequestTracer
+from gateway.engine.engine_client import EngineClient
+from gateway.engine.on_demand import OnDemand, Spawner
+from gateway.prompt.intake import Intake
+from gateway.telemetry.accounting import Accounting
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import RequestTracer
 
 
 class GatewayState:

@@ -1,6 +1,6 @@
 """`kestrel serve [MODEL] [flags]` (and `kestrel-serve`): the gateway and one worker on this host,
 or, with `--models-dir DIR`, the gateway and a worker per model of the folder, each started by
-its first request (kestrel/worker_processes.py, gateway/on_demand.py).
+its first request (kestrel/worker_processes.py, gateway/engine/on_demand.py).
 
     argv ──one parser built from GatewayConfig and WorkerConfig──▶ both configs, validated here
       ──▶ worker: a child process handed its config as KESTREL_* variables (--models-dir: MODEL,

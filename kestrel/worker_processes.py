@@ -1,5 +1,5 @@
 """The worker processes `kestrel serve --models-dir DIR` starts and stops for the gateway's
-on-demand loading (gateway/on_demand.py's Spawner).
+on-demand loading (gateway/engine/on_demand.py's Spawner).
 
     catalog(DIR): every GGUF file (its id: the file's name without the quantization suffix, as
         `kestrel serve FILE` names it) and every folder with a config.json (its name)

@@ -154,7 +154,8 @@ class Generate:
     # to its own time.time() + timeout_s, which the engine's expiry compares against.
     deadline: float | None = None
     # Structured output: llguidance's JSON grammar, built and validated by the gateway
-    # (gateway/structured.py); the worker masks every choice's tokens with it. None: free text.
+    # (gateway/prompt/structured.py); the worker masks every choice's tokens with it. None: free
+    # text.
     grammar: str | None = None
     # W3C trace context ("00-<trace id>-<span id>-<flags>") of the gateway's request span, so the
     # worker's span joins the same trace; None when tracing is off.

@@ -160,3 +160,20 @@ def test_the_front_pages_open_with_their_figures() -> None:
     report = (ROOT / "INFERENCE_BENCHMARK_REPORT.md").read_text(encoding="utf-8")
     sections = [line for line in report.splitlines() if line.startswith("## ")]
     assert sections[0] == "## Current figures", sections[:3]
+
+
+MAX_FILES = 20  # issue 38: a folder a reader takes in at once
+
+
+def test_no_gateway_folder_holds_more_than_twenty_modules_and_tests_mirror_them() -> None:
+    """The gateway is grouped by responsibility (issue 38): no folder of it over MAX_FILES
+    modules, and tests/gateway/ has a folder for each of its subpackages and no other."""
+    gateway = ROOT / "gateway"
+    folders = [gateway, *(p for p in gateway.iterdir() if (p / "__init__.py").exists())]
+    for folder in folders:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= MAX_FILES, (folder, len(modules))
+    subpackages = {p.name for p in folders[1:]}
+    mirrored = {p.name for p in (ROOT / "tests" / "gateway").iterdir()
+                if p.is_dir() and p.name != "__pycache__"}
+    assert len(subpackages) >= 4 and mirrored == subpackages, (subpackages, mirrored)

@@ -211,7 +211,7 @@ def imports_from(tree: Path, modules: list[str]) -> subprocess.CompletedProcess[
 def test_what_the_images_copy_is_enough_to_run(tmp_path: Path) -> None:
     gateway = Dockerfile(IMAGES["gateway"])
     image_tree(gateway, tmp_path / "gw")
-    run = imports_from(tmp_path / "gw", ["gateway.main", "gateway.app"])
+    run = imports_from(tmp_path / "gw", ["gateway.main", "gateway.api.app"])
     assert run.returncode == 0, run.stderr[-2000:]
     assert not (tmp_path / "gw" / "engine_worker").exists()  # the gateway image has no worker
 

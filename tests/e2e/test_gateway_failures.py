@@ -442,7 +442,8 @@ def test_rate_limit_per_address_when_keys_are_off() -> None:
 
 FAULTS = '''
 import sys
-from gateway import formatters, intake
+from gateway.output import formatters
+from gateway.prompt import intake
 
 def parse(cls, data, _orig=intake.parse_body):
     if isinstance(data, dict) and data.get("user") == "explode":

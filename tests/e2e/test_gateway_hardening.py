@@ -148,7 +148,7 @@ def test_a_stream_that_is_never_read_frees_its_slot_at_its_deadline(tight: Any) 
     # Eight choices with logprobs fill the socket buffers: before the fix the send then
     # blocked, and the slot stayed taken as long as the client kept its socket open (past 30 s
     # with a deadline of 15 s). How soon the buffers fill depends on the machine's speed, so
-    # tests/gateway/test_streaming.py shows the blocked send deterministically; this shows the
+    # tests/gateway/api/test_streaming.py shows the blocked send deterministically; this shows the
     # slot coming back at the deadline end to end. It asks what the worker's measured costs say
     # fits its 6 s (admission refuses more at once), and the worker runs 10x slower than
     # measured meanwhile, so the deadline, not the answer's end, frees the slot.

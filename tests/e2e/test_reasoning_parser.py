@@ -43,8 +43,8 @@ def ask(client: openai.OpenAI, regex: str, **kw: Any) -> Any:
 
 def test_the_thinking_comes_back_apart_streamed_and_not(client: Any) -> None:
     # The regex is how a random model is made to think; under a grammar the parser reads only a
-    # text that opens <think> itself as thinking (gateway/intake.py's reasoning_parser; the
-    # template-opened reading of deepseek_r1 is in tests/gateway/test_reasoning.py).
+    # text that opens <think> itself as thinking (gateway/prompt/intake.py's reasoning_parser; the
+    # template-opened reading of deepseek_r1 is in tests/gateway/output/test_reasoning.py).
     regex = r"<think>[a-z]{2,5}</think>[a-z]{1,5}"
     api, gw = client
     tags = httpx.post(gw.base_url + "/tokenize", json={"prompt": "<think></think>",

@@ -16,7 +16,7 @@ from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.sampler import Sampler, make_generator
 from engine_worker.step import SamplerInput
-from gateway.structured import build_checked
+from gateway.prompt.structured import build_checked
 from protocol import messages as m
 
 

@@ -1,8 +1,8 @@
 """A fake engine worker behind the real EngineClient: no sockets, scripted answers.
 
 The link's own bookkeeping (registry, router, request handles, dispatch) runs for real; only the
-socket send is replaced (as tests/gateway/test_engine_client.py does). A Generate is answered by
-scheduling StepOutputs frames through the client's own dispatch, as its receive loop would.
+socket send is replaced (as tests/gateway/engine/test_engine_client.py does). A Generate is answered
+by scheduling StepOutputs frames through the client's own dispatch, as its receive loop would.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.engine_client import EngineClient
-from gateway.registry import WorkerState
-from gateway.tokenizer import GatewayTokenizer
+from gateway.engine.engine_client import EngineClient
+from gateway.engine.registry import WorkerState
+from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 

@@ -1,0 +1,147 @@
+"""The gateway's Starlette app: routes, lifespan, health, models and metrics.
+
+    lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
+    /v1/completions, /v1/chat/completions, /v1/embeddings,
+    /v1/generate[/stream]                                           -> gateway.api.routes
+    /tokenize, /detokenize                                          -> gateway.api.tokenize_routes
+    /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.api import errors, routes, tokenize_routes
+from gateway.api.body import read_json
+from gateway.api.errors import APIError
+from gateway.api.openapi import OpenAPIDocument, server_figures
+from gateway.config import GatewayConfig
+from gateway.engine.on_demand import OnDemand, Spawner
+from gateway.offload import LoopLag
+from gateway.service import GatewayState
+
+
+def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
+    state = GatewayState(cfg, spawner)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        await state.client.start()
+        lag = asyncio.create_task(LoopLag(state.metrics.loop_lag.observe).watch(), name="loop-lag")
+        pool = state.models_on_demand
+        sleeper = (asyncio.create_task(pool.sleep_idle(), name="sleep-idle")
+                   if pool is not None and pool.sleep_idle_s > 0 else None)
+        try:
+            yield
+        finally:
+            lag.cancel()
+            if sleeper is not None:
+                sleeper.cancel()
+            await state.client.close()
+            if state.accounting.tracer is not None:
+                state.accounting.tracer.shutdown()  # flush the last spans
+
+    app = Starlette(routes=[
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+        Route("/v1/generate", routes.generate, methods=["POST"]),
+        Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/models/load", load_model, methods=["POST"]),
+        Route("/models/unload", unload_model, methods=["POST"]),
+        Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health/live", live, methods=["GET"]),
+        Route("/health/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.gateway = state
+    app.state.openapi = OpenAPIDocument()  # the served models' figures added per request
+    state.http_in_flight = errors.install(app)
+    return app
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    state.auth.check_key(request)
+    return JSONResponse({"object": "list", "data": state.models()})
+
+
+async def _pool_request(request: Request) -> tuple[OnDemand, str]:
+    """The on-demand pool and the body's model: 404 without --models-dir, 422 a bad body."""
+    state = _state(request)
+    state.auth.guard(request)
+    pool = state.models_on_demand
+    if pool is None:
+        raise APIError(404, "models are loaded and unloaded by hand only with `kestrel serve "
+                       "--models-dir`", code="not_found")
+    data = await read_json(request, 4096, state.cfg.body_timeout_s, state.intake.readers)
+    name = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise APIError(422, "the body must be {\"model\": ID}", param="model",
+                       code="invalid_value")
+    return pool, name
+
+
+async def load_model(request: Request) -> Response:
+    """POST /models/load {"model": id}: start its worker (if not loaded) and wait for it."""
+    pool, name = await _pool_request(request)
+    if name not in pool.catalog:
+        raise APIError(404, f"model {name!r} is not in the models folder", param="model",
+                       code="model_not_found")
+    await pool.ensure(name, None)
+    return JSONResponse({"model": name, "status": pool.status(name)})
+
+
+async def unload_model(request: Request) -> Response:
+    """POST /models/unload {"model": id}: stop its worker (409 while it has requests)."""
+    pool, name = await _pool_request(request)
+    pool.unload(name)
+    return JSONResponse({"model": name, "status": pool.status(name)})
+
+
+async def health(request: Request) -> Response:
+    """Models, workers, devices and queue figures: an API key's business when keys are set."""
+    state = _state(request)
+    if not state.cfg.open_metrics:
+        state.auth.check_key(request)
+    return JSONResponse(state.health(), status_code=200 if state.ready else 503)
+
+
+async def live(request: Request) -> Response:
+    return JSONResponse({"status": "alive"})
+
+
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    body = state.health()
+    return JSONResponse({"status": body["status"]}, status_code=200 if state.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    if not state.cfg.open_metrics:  # per-worker cache counters help a tenant probe another
+        state.auth.check_key(request)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def openapi_json(request: Request) -> Response:
+    state = _state(request)
+    figures = server_figures(state.cfg, state.client.registry)
+    return Response(request.app.state.openapi.render(figures), media_type="application/json")

@@ -1,0 +1,104 @@
+"""`/tokenize` and `/detokenize`, in vLLM's shapes: the served model's tokenizer over HTTP.
+
+    POST /tokenize   {"model", "prompt" | "messages", "add_special_tokens"}
+                     ──▶ {"tokens", "count", "max_model_len"} (+ "token_strs" when asked)
+    POST /detokenize {"model", "tokens"} ──▶ {"prompt"}
+
+A prompt is encoded as /v1/completions encodes it (add_special_tokens true by default: the bos a
+model asks for); messages as /v1/chat/completions renders and encodes them (the chat template,
+with the generation prompt; a control token typed in a message stays text). Same key, rate
+limit, body limits and error shape as the generation routes; the tokenizing runs in the
+gateway's tokenizing threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import offload
+from gateway.api.body import read_json
+from gateway.api.errors import APIError, too_many_requests
+from gateway.api.schemas import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    RequestBase,
+    TokenizeRequest,
+)
+from gateway.prompt.intake import parse_body
+from gateway.prompt.tokenizer import ChatTemplateError
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayState
+
+# /tokenize and /detokenize hold no admission ticket; this bounds how many of them are in the
+# tokenizing threads' queue at once (beyond: 429 server_busy).
+MAX_IN_FLIGHT = 16
+_in_flight = [0]
+
+
+async def _body(request: Request, schema: type[RequestBase]) -> tuple[GatewayState, Any]:
+    state: GatewayState = request.app.state.gateway
+    state.auth.guard(request)
+    data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
+                           state.intake.readers)
+    body = parse_body(schema, data)
+    if state.models_on_demand is not None:  # the tokenizer comes with the model's worker
+        await state.models_on_demand.ensure(body.model, None)
+    return state, body
+
+
+async def tokenize(request: Request) -> Response:
+    state, body = await _body(request, TokenizeRequest)
+    entry = state.intake.model(body.model)
+    tok, cfg = entry.tokenizer, state.cfg
+    if body.prompt is not None:
+        chars = len(body.prompt)
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+
+        def encode(t: Any) -> list[int]:
+            return t.encode(body.prompt, add_special_tokens=special)
+    else:  # (add_special_tokens is ignored: the chat template writes its own)
+        chat = ChatCompletionRequest(model=entry.model_id, messages=body.messages)
+        _, _, chars, encode = state.intake.prompt_of(chat, tok)
+    if chars > cfg.max_prompt_chars:
+        raise APIError(422, f"the input is {chars} characters, over the server's limit of "
+                       f"{cfg.max_prompt_chars}", param="prompt" if body.prompt else "messages",
+                       code="invalid_value")
+    try:
+        ids = await _bounded(encode, tok, key=entry.model_id)
+    except ChatTemplateError as exc:
+        raise APIError(400, f"chat template: {exc}", param="messages") from None
+    except offload.Busy as exc:
+        raise too_many_requests(str(exc), "server_busy", 1.0) from None
+    out: dict[str, Any] = {"tokens": ids, "count": len(ids),
+                           "max_model_len": entry.hello.max_model_len}
+    if body.return_token_strs:
+        out["token_strs"] = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    return JSONResponse(out)
+
+
+async def detokenize(request: Request) -> Response:
+    state, body = await _body(request, DetokenizeRequest)
+    entry = state.intake.model(body.model)
+    vocab = entry.tokenizer.vocab_size
+    if body.tokens and max(body.tokens) >= vocab:
+        raise APIError(400, f"token ids must be below the vocabulary size ({vocab})",
+                       param="tokens", code="invalid_token_ids")
+    try:
+        text = await _bounded(entry.tokenizer.decode, body.tokens, False, key=entry.model_id)
+    except offload.Busy as exc:
+        raise too_many_requests(str(exc), "server_busy", 1.0) from None
+    return JSONResponse({"prompt": text})
+
+
+async def _bounded(fn: Any, *args: Any, key: str) -> Any:
+    if _in_flight[0] >= MAX_IN_FLIGHT:
+        raise offload.Busy("tokenize", per_client=False)
+    _in_flight[0] += 1
+    try:
+        return await offload.run("tokenize", fn, *args, key=key)
+    finally:
+        _in_flight[0] -= 1
