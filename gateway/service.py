@@ -1,11 +1,11 @@
 """The gateway's composition root: builds its parts once and wires them; no request logic.
 
     auth (keys, rate limit) ──▶ admit.precheck ──▶ heavy (large bodies) ──▶ intake.read ──▶
-    admit.reserve ──▶ intake.prepare ──▶ admit.check_fit / admit.start ──▶ formatters (routes)
-    ──▶ accounting.record
+    admit.reserve ──▶ intake.prepare ──▶ admit.check_fit / admit.seat ──▶ a Generation ──▶
+    formatters ──▶ accounting.record
 
-The request path itself reads in gateway.api.routes. Here: the shutdown drain, readiness, and what
-/health and /v1/models show.
+The request path itself reads in gateway.api.exchange, one object per request. Here: the
+shutdown drain, readiness, and what /health and /v1/models show.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class GatewayState:
         self.auth = Auth(cfg.keys(), limiter, self.metrics.rejections)
         self.heavy = Heavy(rejections=self.metrics.rejections)
         self.intake = Intake(cfg, self.client)
-        self.admit = Admitter(cfg, self.client, self.accounting, self.metrics.rejections)
+        self.admit = Admitter(cfg, self.client, self.metrics.rejections)
         self.admission = self.admit.admission
         self.accounting.watch(self.admission, self.client)
         self.client.on_stats.append(lambda _w, _s: self.admission.poke())

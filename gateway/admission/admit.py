@@ -4,8 +4,9 @@
         ──▶ reserve(draft): 503 draining, 429 queue full or a deadline out of reach behind the
         backlog, else a Ticket (its Work counted in the backlog) ──▶ (tokenizing) ──▶
         check_fit (a deadline only): 400 if it could not finish even on an idle worker, 429 if
-        not behind the backlog ──▶ start: wait for the slot (504 at a deadline), send it to a
-        worker (503 without one) ──▶ a live Generation, whose tokens the backlog reads
+        not behind the backlog ──▶ seat: wait for the slot (504 at a deadline; 503 when no
+        ready worker serves the model) ──▶ the Slot, whose Work the backlog counts until the
+        slot is released
 
 The queue itself is gateway.admission.queue, one per model, the estimate gateway.admission.backlog;
 a model's limit is max_outstanding, or the sequences its ready workers announced. A request without
@@ -16,28 +17,23 @@ reject_waiters.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
 from prometheus_client import Counter
 
 from gateway.admission.backlog import Capacity, Work, capacity_of
-from gateway.admission.queue import Admissions, QueueClosed, Rejected, Ticket
+from gateway.admission.queue import Admissions, QueueClosed, Rejected, Slot, Ticket
 from gateway.api.errors import APIError, too_many_requests
 from gateway.config import GatewayConfig
-from gateway.engine.engine_client import EngineClient, NoWorkerError, new_request_id
-from gateway.output.generation import Generation
+from gateway.engine.engine_client import EngineClient
 from gateway.prompt.intake import ROUTES, Draft, EngineRequest
-from gateway.telemetry.accounting import Accounting
 
 
 class Admitter:
-    def __init__(self, cfg: GatewayConfig, client: EngineClient,
-                 accounting: Accounting, rejections: Counter) -> None:
+    def __init__(self, cfg: GatewayConfig, client: EngineClient, rejections: Counter) -> None:
         self.cfg = cfg
         self.client = client
-        self.accounting = accounting
         self.rejections = rejections
         self.draining = False
         # Per model, read at each decision: by default the seats of its ready workers.
@@ -114,10 +110,10 @@ class Admitter:
         except Rejected as exc:
             raise self._rejected(exc) from None
 
-    async def start(self, req: EngineRequest, ticket: Ticket) -> Generation:
-        """Wait for the ticket's slot (504 if the deadline passes first), then send to a worker
-        (503 without one). Cancellable: a client that leaves meanwhile frees its place. The
-        ticket is always either turned into the Generation's slot or given back."""
+    async def seat(self, req: EngineRequest, ticket: Ticket) -> Slot:
+        """Wait for the ticket's slot (504 if the deadline passes first; 503 if no ready worker
+        serves its model, or the server stops). Cancellable: a client that leaves meanwhile
+        frees its place. The ticket always either becomes the slot or is given back."""
         try:
             if not self.client.serves(req.model.model_id):
                 # Its workers are draining or gone: waiting in the queue would only end in a 503
@@ -127,7 +123,7 @@ class Admitter:
             remaining = None if req.deadline is None else req.deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError
-            slot = await ticket.wait(remaining)
+            return await ticket.wait(remaining)
         except TimeoutError:
             ticket.cancel()
             raise APIError(504, "the request's deadline passed while it was queued",
@@ -138,19 +134,3 @@ class Admitter:
         except BaseException:
             ticket.cancel()
             raise
-        gen = Generation(self.client, req.model, new_request_id(), req.prompt_ids, req.params,
-                         req.stop, req.deadline, req.arrival, slot, grammar=req.grammar,
-                         cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens,
-                         include_stop=req.include_stop, input_lengths=req.input_lengths)
-        if slot.work is not None:  # the backlog counts what it has left from now on
-            slot.work.generated = gen.longest_choice
-        self.accounting.opened(gen)  # the span opens here so its context reaches the worker
-        try:
-            await gen.start()
-        except NoWorkerError as exc:
-            await gen.close()
-            raise APIError(503, str(exc), code="no_worker") from None
-        except asyncio.CancelledError:
-            await asyncio.shield(gen.close())  # frees the slot; stops the work if it was sent
-            raise
-        return gen

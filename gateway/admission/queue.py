@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from gateway.admission.backlog import Backlog, Capacity, Decision, Work
 from gateway.admission.drain import DrainEstimator
@@ -59,19 +59,27 @@ class QueueClosed(Exception):
     """The gateway stopped admitting (it is shutting down) while this request waited."""
 
 
+@dataclass(frozen=True)
+class Served:
+    """The event a slot is released with once a worker ran its request: how fast that worker
+    drains the queue is learned from it (DrainEstimator.record)."""
+
+    worker: str  # the worker that ended it (a retry may have moved it)
+    ran: float = 1.0  # the share of what it asked for that ran (less: its client left early)
+
+
 class Slot:
     def __init__(self, admission: Admission, work: Work | None = None) -> None:
         self._admission = admission
         self.work = work  # what the backlog counts for it until it is released
         self.released = False
         self.granted_at = time.monotonic()
-        self.worker: str | None = None  # set once a worker took the request: it drains the queue
-        self.ran = 1.0  # the share of its work that ran before release (DrainEstimator.record)
 
-    def release(self) -> None:
+    def release(self, served: Served | None = None) -> None:
+        """Give the slot back (idempotent); `served` when a worker ran its request."""
         if not self.released:
             self.released = True
-            self._admission._release(self)
+            self._admission._release(self, served)
 
 
 class Ticket:
@@ -253,12 +261,12 @@ class Admission:
         if ticket.work is not None:
             self.backlog.remove(ticket.work)
 
-    def _release(self, slot: Slot) -> None:
+    def _release(self, slot: Slot, served: Served | None) -> None:
         self.outstanding -= 1
         if slot.work is not None:
             self.backlog.remove(slot.work)
-        if slot.worker is not None:
-            self.estimator.record(slot.worker, time.monotonic() - slot.granted_at, slot.ran)
+        if served is not None:
+            self.estimator.record(served.worker, time.monotonic() - slot.granted_at, served.ran)
         self._wake()
 
     def _wake(self) -> None:

@@ -8,7 +8,8 @@ A deadline, where the request has one, bounds every wait: past it, unfinished ch
 finish_reason "timeout" and the worker is told to cancel. A lost worker or an engine refusal
 raises EngineFailure, which the route turns into an error response or a stream error event.
 `close()` is idempotent and always runs: it cancels at the worker if the request is still live
-there and frees the admission slot.
+there. The admission slot is not the generation's: its owner (gateway.api.exchange) releases it
+after close(), with what `worker_id` and `ran` say was served.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gateway.admission.queue import Slot
 from gateway.engine.engine_client import (
     EngineClient,
     ModelEntry,
@@ -103,7 +103,7 @@ class _Choice:
 class Generation:
     def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
                  prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
-                 deadline: float | None, arrival: float, slot: Slot, grammar: str | None = None,
+                 deadline: float | None, arrival: float, grammar: str | None = None,
                  cache_salt: str = "", skip_special_tokens: bool = True,
                  include_stop: bool = False, input_lengths: list[int] | None = None) -> None:
         self.client = client
@@ -112,7 +112,7 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.params = params
         self.deadline = deadline  # monotonic; None: none
-        self.slot = slot
+        self.ran = 1.0  # the share of what it asked for that ran (less: its client left early)
         self.timings = Timings(arrival)
         self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop, skip_special_tokens,
                                                        include_stop))
@@ -243,19 +243,21 @@ class Generation:
         return ChoiceEvent(out.index, text, list(out.token_ids), out.logprobs, finish,
                            out.embedding)
 
+    @property
+    def worker_id(self) -> str | None:
+        """The worker that has (or ended) it; None before it was sent. Read at the end, not at
+        start: a retry may have moved the request to another worker."""
+        return None if self.handle is None else self.handle.worker.hello.worker_id
+
     async def close(self) -> None:
-        """Idempotent: stop the work at the worker if it may still run, free the slot."""
+        """Idempotent: stop the work at the worker if it may still run."""
         if self.handle is not None:
             if self._live and not all(c.worker_done for c in self.choices):
                 if any(c.finish_reason is None for c in self.choices):
                     # Its client left before its end (a stop string or a deadline is an end):
-                    # its release weighs what ran of what it asked for.
-                    self.slot.ran = self.longest_choice() / max(1, self.params.max_tokens)
+                    # what ran of what it asked for.
+                    self.ran = self.longest_choice() / max(1, self.params.max_tokens)
                 await self.client.cancel(self.handle)
             else:
                 self.client.release(self.handle)
             self._live = False
-        if self.handle is not None:  # its release measures how fast this worker drains; read
-            # here, not at start, since a retry may have moved the request to another worker
-            self.slot.worker = self.handle.worker.hello.worker_id
-        self.slot.release()

@@ -13,15 +13,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from gateway.admission.admit import Admitter
 from gateway.admission.backlog import MARGIN, Work
-from gateway.admission.queue import QueueFull
+from gateway.admission.queue import QueueFull, Served
 from gateway.api.errors import APIError
 from gateway.api.schemas import GenerateRequest
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
 from gateway.prompt.intake import Draft, EngineRequest
 from gateway.prompt.tokenizer import GatewayTokenizer
-from gateway.telemetry.accounting import Accounting
-from gateway.telemetry.metrics import Metrics
 from protocol import codec
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
@@ -31,10 +29,8 @@ class Setup:
     def __init__(self, info: m.TokenizerInfo, tok: GatewayTokenizer, **cfg: Any) -> None:
         self.client = EngineClient("inproc://unused")
         self.engine = FakeEngine(self.client, info, tok)
-        metrics = Metrics(lambda: [])
         self.rejections = Counter("rejections", "", ["reason"], registry=CollectorRegistry())
-        self.admit = Admitter(GatewayConfig(**cfg), self.client, Accounting(metrics, None),
-                              self.rejections)
+        self.admit = Admitter(GatewayConfig(**cfg), self.client, self.rejections)
 
     def costs(self, decode_s: float, prefill_row_s: float, share: float = 0.5) -> None:
         """The fake worker reports these measured step costs (as a heartbeat would)."""
@@ -130,19 +126,16 @@ def test_a_full_queue_is_a_429_with_retry_after_at_once(setup: Setup) -> None:
     asyncio.run(go())
 
 
-def test_start_sends_the_request_and_close_gives_the_slot_back(setup: Setup) -> None:
+def test_seat_grants_the_slot_and_its_release_gives_it_back(setup: Setup) -> None:
     async def go() -> None:
         req = setup.request()
         ticket = setup.reserve(req)
         setup.admit.check_fit(req, ticket)  # nothing measured yet: it fits
-        gen = await setup.admit.start(req, ticket)
-        [sent] = [msg for msg in setup.engine.sent if isinstance(msg, m.Generate)]
-        assert sent.prompt_token_ids == [1, 1, 1] and sent.params.max_tokens == 4
-        assert 29 < sent.timeout_s <= 30  # the time left, never a wall-clock instant
-        assert setup.admit.admission.outstanding == 1
-        events = [e async for e in gen.events()]
-        assert events[-1].finish_reason == "length"
-        assert setup.admit.admission.outstanding == 0  # events() closed it
+        slot = await setup.admit.seat(req, ticket)
+        assert setup.admit.admission.outstanding == 1 and not slot.released
+        slot.release(Served("w"))
+        assert setup.admit.admission.outstanding == 0
+        assert len(setup.admit.admission.of("tiny").estimator._events["w"]) == 1
 
     asyncio.run(go())
 
@@ -154,7 +147,7 @@ def test_a_deadline_passed_in_the_queue_is_a_504_and_the_place_is_given_back(
         req = setup.request(seconds=0.05)
         waiting = setup.reserve(req)
         with pytest.raises(APIError) as exc:
-            await setup.admit.start(req, waiting)
+            await setup.admit.seat(req, waiting)
         assert (exc.value.status, exc.value.code) == (504, "timeout")
         assert waiting.cancelled and setup.admit.admission.waiting == 0
         holder.cancel()
@@ -168,7 +161,7 @@ def test_a_model_no_ready_worker_serves_is_a_503_at_once(setup: Setup) -> None:
         req = setup.request()
         ticket = setup.reserve(req)
         with pytest.raises(APIError) as exc:
-            await setup.admit.start(req, ticket)
+            await setup.admit.seat(req, ticket)
         assert (exc.value.status, exc.value.code) == (503, "no_worker")
         assert setup.admit.admission.outstanding == 0 and not setup.engine.sent
 

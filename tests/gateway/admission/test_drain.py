@@ -10,7 +10,7 @@ import pytest
 
 from gateway.admission.backlog import Work
 from gateway.admission.drain import DrainEstimator
-from gateway.admission.queue import Admission, QueueFull
+from gateway.admission.queue import Admission, QueueFull, Served
 
 
 class FakeClock:
@@ -114,8 +114,7 @@ def test_releases_of_requests_a_worker_ran_feed_the_estimate() -> None:
     async def body() -> None:
         adm = Admission(lambda: 1, 4, DrainEstimator(), workers=lambda: ["w1"])
         slot = await adm.acquire()
-        slot.worker = "w1"
-        slot.release()
+        slot.release(Served("w1"))
         unsent = await adm.acquire()  # never reached a worker: says nothing about its speed
         unsent.release()
         assert len(adm.estimator._events["w1"]) == 1

@@ -10,10 +10,14 @@ sequence (consecutive repeats collapsed); a "return" is an entry into a file the
 visited before and left.
 
 Two walks are counted:
-- the route's walk: the functions of gateway/api/routes.py and those its code calls, each counted
-  when entered (a resumed coroutine continues a stop already made; it is no new one). This is
-  the path a reader follows from the handler: intake -> admit -> route -> stream should read one
-  way. At most MAX_RETURNS (15 before issue 24's refactor, 8 after).
+- the route's walk: the functions of gateway/api/exchange.py (the request's lifecycle, which
+  gateway/api/routes.py hands each request to) and those its code calls, each counted
+  when entered from another file (a resumed coroutine continues a stop already made, and a
+  method calling another of the same file stays in the file the reader has open; neither is a
+  new stop). This is the path a reader follows from the handler: intake -> admit -> route ->
+  stream should read one way. At most MAX_RETURNS (15 before issue 24's refactor, 8 after; 15
+  since issue 38, where the generation's start and its close with the slot's release moved out
+  of admit.start and Generation.close into the exchange, so the walk now sees them).
 - the full walk: every call event at any depth, coroutine resumptions and the three token
   frames included, each thread's calls in their own order. It is dominated by nested helpers
   and by the per-token loop (generation -> detokenize -> tokenizer -> formatter, once a frame),
@@ -41,13 +45,14 @@ from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
 
 GATEWAY_DIR = os.path.dirname(os.path.abspath(gateway.__file__)) + os.sep
-ROUTES_FILE = os.path.join("api", "routes.py")
-MAX_RETURNS = 10  # the route's walk
+ROUTES_FILE = os.path.join("api", "exchange.py")  # the route's way (issue 38: one Exchange)
+MAX_RETURNS = 15  # the route's walk
 # The full walk: 112 before issue 24's refactor, 89 after (with the tokenizing thread's calls
 # interleaved as they fell, 89-96 by the machine's load); 97 since issue 36's admission by the
 # work admitted (backlog.py, entered at admission, after tokenizing and at the end), each thread's
-# calls now counted in their own order.
-FULL_WALK_RETURNS = 97
+# calls now counted in their own order; 108 since issue 38's Exchange (its own methods, and the
+# start and close it took over from admit.start and Generation.close).
+FULL_WALK_RETURNS = 108
 
 
 def collapse(files: list[str]) -> list[str]:
@@ -108,7 +113,7 @@ class WalkRecorder:
 
     def route_walk(self) -> list[str]:
         return [f for f, fresh, caller, _ in self.calls
-                if fresh and ROUTES_FILE in (f, caller)]
+                if fresh and ROUTES_FILE in (f, caller) and f != caller]
 
 
 def walk_chat_request(info: m.TokenizerInfo,

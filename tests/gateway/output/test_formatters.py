@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.drain import DrainEstimator
-from gateway.admission.queue import Admission
 from gateway.engine.engine_client import EngineClient
 from gateway.output.formatters import FORMATTERS
 from gateway.output.generation import ChoiceEvent, Generation
@@ -50,10 +48,8 @@ def run(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
         engine = FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)),
                             finish_reason=finish)
         req = engine_request(route, body, client.models["tiny"], tok.encode(PROMPT), **params)
-        slot = Admission(lambda: 4, 4, DrainEstimator()).reserve().slot
-        assert slot is not None
         gen = Generation(client, req.model, "rid-1", req.prompt_ids, req.params, req.stop,
-                         req.deadline, req.arrival, slot)
+                         req.deadline, req.arrival)
         await gen.start()
         events = [event async for event in gen.events()]
         assert engine.sent and isinstance(engine.sent[0], m.Generate)

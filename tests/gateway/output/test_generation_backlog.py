@@ -9,8 +9,6 @@ import asyncio
 import time
 from typing import Any
 
-from gateway.admission.drain import DrainEstimator
-from gateway.admission.queue import Admission
 from gateway.engine.engine_client import EngineClient
 from gateway.output.generation import ChoiceEvent, Generation
 from gateway.prompt.tokenizer import GatewayTokenizer
@@ -38,11 +36,9 @@ def generate(info: m.TokenizerInfo, tok: GatewayTokenizer, steps: list[list[m.To
             return True
 
         client.link.send = send  # type: ignore[method-assign]
-        slot = Admission(lambda: 4, 4, DrainEstimator()).reserve().slot
-        assert slot is not None
         now = time.monotonic()
         gen = Generation(client, client.models["tiny"], "rid-1", [1, 2, 3],
-                         m.SamplingParams(n=n), stop, now + 30, now, slot)
+                         m.SamplingParams(n=n), stop, now + 30, now)
         await gen.start()
         for step in steps:
             await client._dispatch(worker, m.StepOutputs(step))

@@ -1,0 +1,241 @@
+"""One request's life at the gateway, from its arrival to its last byte, owned by one object.
+
+    Exchange.run(): auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ heavy.hold (429) ──▶
+        intake.read (413/408/400/422) ──▶ [--models-dir: its model loaded: 503, 504] ──▶
+        admit.reserve (429: the Ticket) ──▶ intake.prepare (tokens, in a thread) ──▶
+        admit.check_fit (400, 429) ──▶ admit.seat (the Slot: 504, 503) ──▶ a Generation
+        started at a worker ──▶ collected (JSON), or streamed (SSE)
+
+    Exchange.close(), once, whatever the exit: the ticket given back, or the generation stopped
+        and its slot released with what was served (admission learns the drain rate from that
+        event), then accounting.record (metrics, the log line, the span's end)
+
+A stream is answered 200 as soon as nothing but waiting is left (its model loading, its place in
+the queue): the rest of its way in runs inside the stream, each refusal an event, and the stream
+takes the exchange over (its own `finally` closes it). A client that leaves at any point gives its
+place back at once (499).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.admission.queue import Served, Slot, Ticket
+from gateway.api.errors import APIError, error_body, error_response
+from gateway.api.streaming import SSEResponse, sse_event, until_disconnect
+from gateway.engine.engine_client import NoWorkerError, new_request_id
+from gateway.engine.on_demand import OnDemand
+from gateway.output.formatters import FORMATTERS
+from gateway.output.generation import EngineFailure, Generation
+from gateway.prompt.intake import Draft, EngineRequest
+from gateway.service import GatewayState
+
+DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("kestrel.gateway")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client left while its request waited (for its model, its tokens or its slot)."""
+
+
+class Exchange:
+    """A request and everything it holds: its ticket, then its slot and generation; its outcome
+    (status, finish) and its one accounting record."""
+
+    def __init__(self, state: GatewayState, request: Request, route: str) -> None:
+        self.state, self.request, self.route = state, request, route
+        self.arrival = time.monotonic()
+        self.request_id: str = request.state.request_id  # set by errors.CatchAll
+        self.headers = {"X-Request-ID": self.request_id}
+        self.ticket: Ticket | None = None  # a place in the queue, until it becomes a slot
+        self.slot: Slot | None = None
+        self.req: EngineRequest | None = None
+        self.gen: Generation | None = None
+        self.status: int | None = None  # None: never answered (the server stopped first)
+        self.finish: str | None = None  # the route's word (aborted, timeout), where it says more
+        self.streaming = False  # a stream took it over: the stream closes it
+        self._recorded = False
+
+    async def run(self) -> Response:
+        """The route's answer; the exchange is closed by its caller or by its stream."""
+        try:
+            return await self._answer()
+        except ClientGone:
+            self.status, self.finish = 499, "aborted"  # nginx's "client closed request"
+            return Response(status_code=499)
+        except APIError as exc:
+            self.status = exc.status
+            exc.headers = {**exc.headers, **self.headers}
+            raise
+        except EngineFailure as exc:
+            self.status = exc.status
+            return error_response(exc.status, exc.message, code=exc.code, headers=self.headers)
+        except Exception:  # a bug: errors.CatchAll logs it and answers 500
+            self.status = 500
+            raise
+
+    async def _answer(self) -> Response:
+        state, request = self.state, self.request
+        key = state.auth.guard(request)
+        state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
+        with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
+            draft = await state.intake.read(self.route, request, self.arrival)
+            pool = state.models_on_demand
+            if pool is not None and draft.stream and not pool.ready(draft.body.model):
+                # --models-dir: answer 200 now and keep it alive while the worker starts
+                return self._stream(draft.deadline, self._way_in(draft, key))
+            if pool is not None:  # its model's worker started and joined first
+                await self._unless_gone(_loaded(pool, draft.body.model, draft.deadline))
+            # no await from here to the reservation: an idle model is unloaded only between
+            self.ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
+            # Tokenizing happens while the ticket holds its place (or its slot) in the queue.
+            req = await self._unless_gone(state.intake.prepare(draft, key))
+        state.admit.check_fit(req, self.ticket)  # 400 or 429 now, not a 504 after the deadline
+        if draft.stream and not self.ticket.granted:
+            # It waits in the queue: answer 200 now and keep the stream alive with comments
+            # while it waits (a proxy would cut a silent one); errors from here on are events.
+            return self._stream(req.deadline, self._start(req))
+        await self._unless_gone(self._start(req))
+        if draft.stream:
+            return self._stream(req.deadline)
+        return await self._collect()
+
+    async def _way_in(self, draft: Draft, key: str | None) -> None:
+        """A stream's way in while its model loads, run inside the stream: the model, its place
+        in the queue, its tokens, the fit, its start."""
+        state = self.state
+        assert state.models_on_demand is not None
+        await state.models_on_demand.ensure(draft.body.model, draft.deadline)
+        self.ticket = state.admit.reserve(draft)  # no await since the model was found ready
+        req = await state.intake.prepare(draft, key)
+        state.admit.check_fit(req, self.ticket)
+        await self._start(req)
+
+    async def _start(self, req: EngineRequest) -> Generation:
+        """Its slot (waiting in the queue for it), then a Generation sent to a worker."""
+        self.req = req
+        ticket, self.ticket = self.ticket, None
+        assert ticket is not None
+        self.slot = await self.state.admit.seat(req, ticket)  # it always gives the ticket back
+        gen = Generation(self.state.client, req.model, new_request_id(), req.prompt_ids,
+                         req.params, req.stop, req.deadline, req.arrival, grammar=req.grammar,
+                         cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens,
+                         include_stop=req.include_stop, input_lengths=req.input_lengths)
+        self.gen = gen
+        if self.slot.work is not None:  # the backlog counts what it has left from now on
+            self.slot.work.generated = gen.longest_choice
+        self.state.accounting.opened(gen)  # the span opens now so its context reaches the worker
+        try:
+            await gen.start()
+        except NoWorkerError as exc:
+            raise APIError(503, str(exc), code="no_worker") from None
+        return gen
+
+    async def _unless_gone(self, work: Awaitable[T]) -> T:
+        """`work`'s result (never None); ClientGone if the client leaves first. What `work` held
+        by then is given back by close(), once `work` has been cancelled and has unwound."""
+        done = await until_disconnect(self.request.receive, work, _nothing)
+        if done is None:
+            raise ClientGone
+        return done
+
+    async def _collect(self) -> Response:
+        assert self.req is not None and self.gen is not None
+        gen, fmt = self.gen, FORMATTERS[self.route](self.req, self.gen)
+
+        async def collect() -> dict[str, Any]:
+            async for event in gen.events():
+                fmt.add(event)
+            return fmt.response()
+
+        result = await self._unless_gone(collect())
+        if "timeout" in gen.finish_reasons:
+            self.status, self.finish = 504, "timeout"
+            return error_response(504, "the request's deadline passed before it finished",
+                                  code="timeout", headers=self.headers)
+        self.status = 200
+        return JSONResponse(result, headers=self.headers)
+
+    def _stream(self, deadline: float | None, opening: Awaitable[None] | None = None
+                ) -> SSEResponse:
+        """The SSE answer, for the started generation or for the way in that `opening` runs
+        inside the stream; its errors are events, and the stream closes the exchange."""
+        self.streaming, self.status = True, 200
+
+        async def on_disconnect() -> None:
+            self.finish = "aborted"
+            await self.release()
+
+        return SSEResponse(self._events(opening), on_disconnect, self.headers, deadline=deadline,
+                           keepalive_s=self.state.cfg.sse_keepalive_s,
+                           send_timeout_s=self.state.cfg.send_timeout_s)
+
+    async def _events(self, opening: Awaitable[None] | None) -> AsyncIterator[bytes]:
+        try:
+            if opening is not None:
+                await opening
+            assert self.req is not None and self.gen is not None
+            gen, fmt = self.gen, FORMATTERS[self.route](self.req, self.gen)
+            # Each step's chunks leave in one write (a socket write per chunk costs the loop).
+            if chunks := fmt.stream_start():
+                yield b"".join(map(sse_event, chunks))
+            async for event in gen.events():
+                if chunks := fmt.stream_event(event):
+                    yield b"".join(map(sse_event, chunks))
+            if chunks := fmt.stream_end():
+                yield b"".join(map(sse_event, chunks))
+            if "timeout" in gen.finish_reasons:
+                self.finish = "timeout"
+        except (APIError, EngineFailure) as exc:  # opening's refusals, a lost worker, ...
+            self.status = exc.status
+            yield sse_event(error_body(exc.status, exc.message, code=exc.code))
+        except Exception:
+            # A bug, after the 200 went out: log the trace, tell the client in the stream's
+            # error shape (never the trace), and still end with [DONE].
+            log.exception("unhandled error in a %s stream", self.route)
+            self.status = 500
+            yield sse_event(error_body(500, "internal server error", code="internal_error"))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+        yield DONE
+
+    async def release(self) -> None:
+        """Give back what it holds now: its place in the queue, or its generation (stopped at the
+        worker if it may still run) and its slot, with what the worker served. Idempotent, and
+        safe to call again after a way in that was still running took something more."""
+        if self.ticket is not None:
+            self.ticket.cancel()
+            self.ticket = None
+        gen, slot = self.gen, self.slot
+        if gen is not None:
+            await gen.close()
+        if slot is not None:
+            # A retry may have moved the request to another worker: the one that ends it counts.
+            worker = None if gen is None else gen.worker_id
+            slot.release(None if worker is None else Served(worker, gen.ran if gen else 1.0))
+
+    async def close(self) -> None:
+        """Release, then write it down once (nothing for a request the server's stop cut)."""
+        await self.release()
+        if self.status is not None and not self._recorded:
+            self._recorded = True
+            self.state.accounting.record(self.route, self.status, self.gen, self.arrival,
+                                         self.request_id, self.finish)
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _loaded(pool: OnDemand, model: str | None, deadline: float | None) -> bool:
+    await pool.ensure(model, deadline)
+    return True

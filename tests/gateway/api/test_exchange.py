@@ -1,0 +1,82 @@
+"""gateway/api/exchange.py: one request's lifecycle, closed in one place. The real Starlette app
+in-process (httpx's ASGITransport) against the fake engine next door; what each exit leaves
+behind is read from the gateway's own state: the admission queue, the drain estimator's events,
+the request counter."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from gateway.api.app import create_app
+from gateway.config import GatewayConfig
+from gateway.prompt.tokenizer import GatewayTokenizer
+from protocol import messages as m
+from tests.gateway.fake_engine import FakeEngine
+
+CHAT = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def counted(app: Any) -> dict[tuple[str, str, str], float]:
+    """The request counter's samples: (route, status, finish) -> count."""
+    [family] = [f for f in app.state.gateway.metrics.requests.collect()]
+    return {(s.labels["route"], s.labels["status"], s.labels["finish_reason"]): s.value
+            for s in family.samples if s.name.endswith("_total") and s.value}
+
+
+def serve(info: m.TokenizerInfo, tok: GatewayTokenizer, *calls: tuple[str, dict[str, Any]],
+          stream_lines: bool = False) -> tuple[Any, FakeEngine, list[httpx.Response]]:
+    app = create_app(GatewayConfig())
+    engine = FakeEngine(app.state.gateway.client, info, tok)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            return [await http.post(path, json=body) for path, body in calls]
+
+    return app, engine, asyncio.run(run())
+
+
+def test_an_answered_request_sends_the_time_left_and_leaves_nothing_held(
+        smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> None:
+    app, engine, [resp] = serve(smollm2_info, smollm2,
+                                ("/v1/chat/completions", {**CHAT, "timeout": 30}))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
+    [sent] = [msg for msg in engine.sent if isinstance(msg, m.Generate)]
+    assert 29 < sent.timeout_s <= 30  # the time left, never a wall-clock instant
+    admission = app.state.gateway.admission
+    assert admission.outstanding == 0 and admission.waiting == 0
+    # its slot went back with the Served event: the worker that ran it taught the drain rate
+    assert len(admission.of("tiny").estimator._events["fake-worker"]) == 1
+    assert counted(app) == {("chat", "200", "length"): 1}  # recorded once
+
+
+def test_a_stream_is_closed_once_by_its_own_end(smollm2_info: m.TokenizerInfo,
+                                                 smollm2: GatewayTokenizer) -> None:
+    app, _, [resp] = serve(smollm2_info, smollm2,
+                           ("/v1/chat/completions", {**CHAT, "stream": True}))
+    assert resp.status_code == 200
+    assert resp.text.rstrip().endswith("data: [DONE]")
+    admission = app.state.gateway.admission
+    assert admission.outstanding == 0 and admission.waiting == 0
+    assert len(admission.of("tiny").estimator._events["fake-worker"]) == 1
+    assert counted(app) == {("chat", "200", "length"): 1}
+
+
+def test_refusals_are_recorded_once_and_hold_nothing(smollm2_info: m.TokenizerInfo,
+                                                     smollm2: GatewayTokenizer) -> None:
+    app, engine, resps = serve(
+        smollm2_info, smollm2,
+        ("/v1/chat/completions", {**CHAT, "max_tokens": "3"}),  # 422: not an integer
+        ("/v1/chat/completions", {**CHAT, "model": "nobody"}),  # 404: no such model
+        ("/v1/completions", {"model": "tiny", "prompt": [10**9]}))  # 400: outside the vocabulary
+    assert [r.status_code for r in resps] == [422, 404, 400], [r.text for r in resps]
+    assert all(r.json()["error"]["message"] and r.headers["X-Request-ID"] for r in resps)
+    assert not [msg for msg in engine.sent if isinstance(msg, m.Generate)]
+    admission = app.state.gateway.admission
+    assert admission.outstanding == 0 and admission.waiting == 0
+    assert counted(app) == {("chat", "422", "error"): 1, ("chat", "404", "error"): 1,
+                            ("completions", "400", "error"): 1}
