@@ -1,6 +1,7 @@
 """Who is asking, and may they ask now: API keys and the per-client rate limit.
 
-    Authorization: Bearer <key> ──check_key──▶ the key (None: keys are off) or 401
+    Authorization: Bearer <key> (or x-api-key: <key>, as Anthropic's clients send it)
+        ──check_key──▶ the key (None: keys are off) or 401
     the client (its key, else its address) ──RateLimiter.take──▶ allowed, or 429 with Retry-After
 
 Runs first on every generation route, before the body is read; /v1/models and /metrics ask
@@ -34,13 +35,16 @@ class Auth:
         if not self.keys:
             return None
         auth = request.headers.get("authorization", "")
+        if not auth and "x-api-key" in request.headers:  # Anthropic's header
+            auth = "Bearer " + request.headers["x-api-key"]
         scheme, _, key = auth.partition(" ")
         # Compared as bytes: hmac.compare_digest refuses a non-ASCII str (TypeError, a 500),
         # and a header is whatever bytes the client sent (Starlette decodes them as latin-1).
         given = key.strip().encode("latin-1", "replace")
         if scheme.lower() != "bearer" or not any(
                 hmac.compare_digest(given, k) for k in self._key_bytes):
-            raise APIError(401, "a valid API key is required: Authorization: Bearer <key>",
+            raise APIError(401, "a valid API key is required: Authorization: Bearer <key> "
+                           "(or x-api-key: <key>)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return key.strip()
 

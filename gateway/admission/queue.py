@@ -263,11 +263,11 @@ class Admission:
 
     def _release(self, slot: Slot, served: Served | None) -> None:
         self.outstanding -= 1
+        self._wake()  # (it reads neither the backlog nor the estimate)
         if slot.work is not None:
             self.backlog.remove(slot.work)
         if served is not None:
             self.estimator.record(served.worker, time.monotonic() - slot.granted_at, served.ran)
-        self._wake()
 
     def _wake(self) -> None:
         while self._waiters and self.outstanding < self.limit:

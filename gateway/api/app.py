@@ -2,7 +2,7 @@
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
     /v1/completions, /v1/chat/completions, /v1/embeddings,
-    /v1/generate[/stream]                                           -> gateway.api.routes
+    /v1/generate[/stream]                                           -> gateway.api.exchange
     /tokenize, /detokenize                                          -> gateway.api.tokenize_routes
     /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
@@ -12,20 +12,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api import errors, routes, tokenize_routes
+from gateway.api import errors, tokenize_routes
 from gateway.api.body import read_json
 from gateway.api.errors import APIError
+from gateway.api.exchange import answer
 from gateway.api.openapi import OpenAPIDocument, server_figures
 from gateway.config import GatewayConfig
 from gateway.engine.on_demand import OnDemand, Spawner
 from gateway.offload import LoopLag
 from gateway.service import GatewayState
+
+# The engine's routes, by path: each one Exchange (gateway.api.exchange), told its route's name.
+ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                 "/v1/embeddings": "embeddings", "/v1/generate": "generate",
+                 "/v1/generate/stream": "generate_stream", "/v1/messages": "messages"}
 
 
 def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
@@ -50,15 +57,13 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
                 state.accounting.tracer.shutdown()  # flush the last spans
 
     app = Starlette(routes=[
-        Route("/v1/completions", routes.completions, methods=["POST"]),
-        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-        Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
-        Route("/v1/generate", routes.generate, methods=["POST"]),
-        Route("/v1/generate/stream", routes.generate_stream, methods=["POST"]),
+        *(Route(path, partial(answer, route=name), methods=["POST"])
+          for path, name in ENGINE_ROUTES.items()),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/models/load", load_model, methods=["POST"]),
         Route("/models/unload", unload_model, methods=["POST"]),
         Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+        Route("/v1/messages/count_tokens", tokenize_routes.count_tokens, methods=["POST"]),
         Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),

@@ -1,4 +1,5 @@
-"""One request's life at the gateway, from its arrival to its last byte, owned by one object.
+"""The engine's routes (OpenAI's completions, chat completions and embeddings, and the native
+API): one request's life at the gateway, from its arrival to its last byte, owned by one object.
 
     Exchange.run(): auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ heavy.hold (429) ──▶
         intake.read (413/408/400/422) ──▶ [--models-dir: its model loaded: 503, 504] ──▶
@@ -21,29 +22,37 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admission.queue import Served, Slot, Ticket
-from gateway.api.errors import APIError, error_body, error_response
-from gateway.api.streaming import SSEResponse, sse_event, until_disconnect
-from gateway.engine.engine_client import NoWorkerError, new_request_id
+from gateway.api.errors import APIError
+from gateway.api.streaming import ClientGone, SSEResponse, unless_gone
+from gateway.dialects.anthropic_reply import MessagesFormatter
+from gateway.engine.engine_client import NoWorkerError
 from gateway.engine.on_demand import OnDemand
-from gateway.output.formatters import FORMATTERS
+from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
 from gateway.output.generation import EngineFailure, Generation
 from gateway.prompt.intake import Draft, EngineRequest
 from gateway.service import GatewayState
 
-DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("kestrel.gateway")
-T = TypeVar("T")
+# How each route renders its answer and its errors: OpenAI's, the native API's, Anthropic's.
+FORMATTERS = {**OPENAI_FORMATTERS, "messages": MessagesFormatter}
 
 
-class ClientGone(Exception):
-    """The client left while its request waited (for its model, its tokens or its slot)."""
+async def answer(request: Request, route: str) -> Response:
+    """The handler of every engine route (gateway.api.app mounts it once per route name): one
+    Exchange, closed here, or by its stream when a stream took it over."""
+    exchange = Exchange(request.app.state.gateway, request, route)
+    try:
+        return await exchange.run()
+    finally:
+        if not exchange.streaming:  # a stream closes it when it ends
+            with anyio.CancelScope(shield=True):
+                await exchange.close()
 
 
 class Exchange:
@@ -71,39 +80,39 @@ class Exchange:
         except ClientGone:
             self.status, self.finish = 499, "aborted"  # nginx's "client closed request"
             return Response(status_code=499)
-        except APIError as exc:
+        except (APIError, EngineFailure) as exc:
             self.status = exc.status
-            exc.headers = {**exc.headers, **self.headers}
-            raise
-        except EngineFailure as exc:
-            self.status = exc.status
-            return error_response(exc.status, exc.message, code=exc.code, headers=self.headers)
+            status, body = FORMATTERS[self.route].error_shape(
+                exc.status, exc.message, getattr(exc, "param", None), exc.code)
+            return JSONResponse(body, status, {**getattr(exc, "headers", {}), **self.headers})
         except Exception:  # a bug: errors.CatchAll logs it and answers 500
             self.status = 500
             raise
 
     async def _answer(self) -> Response:
-        state, request = self.state, self.request
+        state, request, gone = self.state, self.request, self.request.receive
         key = state.auth.guard(request)
+        client = state.auth.client(request, key)
         state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
-        with state.heavy.hold(request, state.auth.client(request, key)):  # a large body: 429?
+        with state.heavy.hold(request, client):  # a large body: 429?
             draft = await state.intake.read(self.route, request, self.arrival)
             pool = state.models_on_demand
             if pool is not None and draft.stream and not pool.ready(draft.body.model):
                 # --models-dir: answer 200 now and keep it alive while the worker starts
                 return self._stream(draft.deadline, self._way_in(draft, key))
             if pool is not None:  # its model's worker started and joined first
-                await self._unless_gone(_loaded(pool, draft.body.model, draft.deadline))
+                await unless_gone(gone, _loaded(pool, draft.body.model, draft.deadline))
             # no await from here to the reservation: an idle model is unloaded only between
             self.ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
             # Tokenizing happens while the ticket holds its place (or its slot) in the queue.
-            req = await self._unless_gone(state.intake.prepare(draft, key))
+            req = await unless_gone(gone, state.intake.prepare(draft, key))
         state.admit.check_fit(req, self.ticket)  # 400 or 429 now, not a 504 after the deadline
         if draft.stream and not self.ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.
             return self._stream(req.deadline, self._start(req))
-        await self._unless_gone(self._start(req))
+        self.slot = await unless_gone(gone, state.admit.seat(req, self._ticket_out()))
+        await self._send(req)
         if draft.stream:
             return self._stream(req.deadline)
         return await self._collect()
@@ -119,13 +128,23 @@ class Exchange:
         state.admit.check_fit(req, self.ticket)
         await self._start(req)
 
-    async def _start(self, req: EngineRequest) -> Generation:
-        """Its slot (waiting in the queue for it), then a Generation sent to a worker."""
-        self.req = req
+    def _ticket_out(self) -> Ticket:
+        """The ticket, handed to admit.seat, which always turns it into the slot or gives it
+        back."""
         ticket, self.ticket = self.ticket, None
         assert ticket is not None
-        self.slot = await self.state.admit.seat(req, ticket)  # it always gives the ticket back
-        gen = Generation(self.state.client, req.model, new_request_id(), req.prompt_ids,
+        return ticket
+
+    async def _start(self, req: EngineRequest) -> None:
+        """Its slot (waiting in the queue for it), then its generation sent to a worker."""
+        self.slot = await self.state.admit.seat(req, self._ticket_out())
+        await self._send(req)
+
+    async def _send(self, req: EngineRequest) -> None:
+        """A Generation for `req`, in the slot it holds, sent to a worker (503 if none)."""
+        assert self.slot is not None
+        self.req = req
+        gen = Generation(self.state.client, req.model, req.prompt_ids,
                          req.params, req.stop, req.deadline, req.arrival, grammar=req.grammar,
                          cache_salt=req.cache_salt, skip_special_tokens=req.skip_special_tokens,
                          include_stop=req.include_stop, input_lengths=req.input_lengths)
@@ -137,30 +156,15 @@ class Exchange:
             await gen.start()
         except NoWorkerError as exc:
             raise APIError(503, str(exc), code="no_worker") from None
-        return gen
-
-    async def _unless_gone(self, work: Awaitable[T]) -> T:
-        """`work`'s result (never None); ClientGone if the client leaves first. What `work` held
-        by then is given back by close(), once `work` has been cancelled and has unwound."""
-        done = await until_disconnect(self.request.receive, work, _nothing)
-        if done is None:
-            raise ClientGone
-        return done
 
     async def _collect(self) -> Response:
-        assert self.req is not None and self.gen is not None
-        gen, fmt = self.gen, FORMATTERS[self.route](self.req, self.gen)
-
-        async def collect() -> dict[str, Any]:
-            async for event in gen.events():
-                fmt.add(event)
-            return fmt.response()
-
-        result = await self._unless_gone(collect())
-        if "timeout" in gen.finish_reasons:
-            self.status, self.finish = 504, "timeout"
-            return error_response(504, "the request's deadline passed before it finished",
-                                  code="timeout", headers=self.headers)
+        gen, req = self.gen, self.req
+        assert req is not None and gen is not None
+        result = await unless_gone(self.request.receive, FORMATTERS[self.route](req, gen).collect())
+        if gen.timed_out:
+            self.finish = "timeout"
+            raise APIError(504, "the request's deadline passed before it finished",
+                           code="timeout")
         self.status = 200
         return JSONResponse(result, headers=self.headers)
 
@@ -179,34 +183,36 @@ class Exchange:
                            send_timeout_s=self.state.cfg.send_timeout_s)
 
     async def _events(self, opening: Awaitable[None] | None) -> AsyncIterator[bytes]:
+        shape = FORMATTERS[self.route]  # the dialect: its framing and its error events
         try:
             if opening is not None:
                 await opening
             assert self.req is not None and self.gen is not None
-            gen, fmt = self.gen, FORMATTERS[self.route](self.req, self.gen)
+            gen, fmt = self.gen, shape(self.req, self.gen)
             # Each step's chunks leave in one write (a socket write per chunk costs the loop).
             if chunks := fmt.stream_start():
-                yield b"".join(map(sse_event, chunks))
+                yield b"".join(map(shape.frame, chunks))
             async for event in gen.events():
                 if chunks := fmt.stream_event(event):
-                    yield b"".join(map(sse_event, chunks))
+                    yield b"".join(map(shape.frame, chunks))
             if chunks := fmt.stream_end():
-                yield b"".join(map(sse_event, chunks))
-            if "timeout" in gen.finish_reasons:
+                yield b"".join(map(shape.frame, chunks))
+            if gen.timed_out:
                 self.finish = "timeout"
         except (APIError, EngineFailure) as exc:  # opening's refusals, a lost worker, ...
             self.status = exc.status
-            yield sse_event(error_body(exc.status, exc.message, code=exc.code))
+            yield shape.frame(shape.error_chunk(exc.status, exc.message, exc.code))
         except Exception:
             # A bug, after the 200 went out: log the trace, tell the client in the stream's
-            # error shape (never the trace), and still end with [DONE].
+            # error shape (never the trace), and still end the stream as the dialect does.
             log.exception("unhandled error in a %s stream", self.route)
             self.status = 500
-            yield sse_event(error_body(500, "internal server error", code="internal_error"))
+            yield shape.frame(shape.error_chunk(500, "internal server error", "internal_error"))
         finally:
             with anyio.CancelScope(shield=True):
                 await self.close()
-        yield DONE
+        if shape.closing:
+            yield shape.closing
 
     async def release(self) -> None:
         """Give back what it holds now: its place in the queue, or its generation (stopped at the
@@ -221,7 +227,7 @@ class Exchange:
         if slot is not None:
             # A retry may have moved the request to another worker: the one that ends it counts.
             worker = None if gen is None else gen.worker_id
-            slot.release(None if worker is None else Served(worker, gen.ran if gen else 1.0))
+            slot.release(None if gen is None or worker is None else Served(worker, gen.ran))
 
     async def close(self) -> None:
         """Release, then write it down once (nothing for a request the server's stop cut)."""
@@ -230,10 +236,6 @@ class Exchange:
             self._recorded = True
             self.state.accounting.record(self.route, self.status, self.gen, self.arrival,
                                          self.request_id, self.finish)
-
-
-async def _nothing() -> None:
-    return None
 
 
 async def _loaded(pool: OnDemand, model: str | None, deadline: float | None) -> bool:

@@ -29,6 +29,7 @@ from pydantic.json_schema import models_json_schema
 
 from gateway.api.schemas import SERVER_BOUND, DetokenizeRequest, TokenizeRequest
 from gateway.config import GatewayConfig
+from gateway.dialects.anthropic import CountTokensRequest
 from gateway.engine.registry import Registry
 from gateway.prompt.intake import ROUTES as INTAKE_ROUTES
 
@@ -40,6 +41,12 @@ ERROR = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}},
+}
+ANTHROPIC_ERROR = {  # the Messages routes' errors (gateway.dialects.anthropic)
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
 }
 # Statuses any route may answer (besides its own 200), and what they mean here.
 COMMON_ERRORS = {"401": "a valid API key is required", "429": "rate limited, or the queue is "
@@ -65,6 +72,10 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
     ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
      "native generation, streamed as SSE", True),
+    ("/v1/messages", "post", INTAKE_ROUTES["messages"].schema,
+     "Anthropic's Messages API (stream: true for its SSE events)", True),
+    ("/v1/messages/count_tokens", "post", CountTokensRequest,
+     "Anthropic's token count of a Messages request", False),
     ("/tokenize", "post", TokenizeRequest, "a prompt's or a chat's token ids (vLLM's shape)",
      False),
     ("/detokenize", "post", DetokenizeRequest, "the text of token ids (vLLM's shape)", False),
@@ -78,15 +89,16 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
 ]
 
 
-def _error(text: str) -> dict[str, Any]:
+def _error(text: str, shape: str = "Error") -> dict[str, Any]:
     return {"description": text,
-            "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=shape)}}}}
 
 
 def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, Any]:
     models = [(model, "validation") for _, _, model, _, _ in ROUTES if model is not None]
     names, defs = models_json_schema(models, ref_template=REF)
-    schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": ERROR}
+    schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": ERROR,
+                               "AnthropicError": ANTHROPIC_ERROR}
     paths: dict[str, Any] = {}
     for path, method, model, summary, streams in ROUTES:
         ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
@@ -94,15 +106,17 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
             ok = {"text/plain": {"schema": {"type": "string"}}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
+        shape = "AnthropicError" if path.startswith("/v1/messages") else "Error"
         op: dict[str, Any] = {
             "summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}",
             "responses": {"200": {"description": "OK", "content": ok},
-                          **{code: _error(text) for code, text in COMMON_ERRORS.items()}}}
+                          **{code: _error(text, shape) for code, text in COMMON_ERRORS.items()}}}
         if model is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": names[(model, "validation")]}}}
-            op["responses"].update({code: _error(text) for code, text in
-                                    GENERATION_ERRORS.items()})
+            op["responses"].update({code: _error(text, shape) for code, text in
+                                    GENERATION_ERRORS.items()
+                                    if not (shape == "AnthropicError" and code == "422")})
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
                                          "description": DESCRIPTION},

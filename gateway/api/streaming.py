@@ -132,6 +132,23 @@ class SSEResponse:
                     await closer()
 
 
+class ClientGone(Exception):
+    """The client left while its request waited (for its model, its tokens or its slot)."""
+
+
+async def unless_gone(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result (never None); ClientGone if the client disconnects first, once `work`
+    has been cancelled and has unwound (what it held is then its owner's to give back)."""
+    done = await until_disconnect(receive, work, _nothing)
+    if done is None:
+        raise ClientGone
+    return done
+
+
+async def _nothing() -> None:
+    return None
+
+
 async def until_disconnect(receive: Receive, work: Awaitable[T],
                            on_disconnect: Callable[[], Awaitable[None]],
                            on_abandoned: Callable[[T], Awaitable[None]] | None = None) -> T | None:

@@ -1,4 +1,5 @@
-"""`/tokenize` and `/detokenize`, in vLLM's shapes: the served model's tokenizer over HTTP.
+"""`/tokenize` and `/detokenize`, in vLLM's shapes: the served model's tokenizer over HTTP;
+and Anthropic's `/v1/messages/count_tokens`.
 
     POST /tokenize   {"model", "prompt" | "messages", "add_special_tokens"}
                      ──▶ {"tokens", "count", "max_model_len"} (+ "token_strs" when asked)
@@ -27,6 +28,7 @@ from gateway.api.schemas import (
     RequestBase,
     TokenizeRequest,
 )
+from gateway.dialects import anthropic
 from gateway.prompt.intake import parse_body
 from gateway.prompt.tokenizer import ChatTemplateError
 
@@ -78,6 +80,34 @@ async def tokenize(request: Request) -> Response:
     if body.return_token_strs:
         out["token_strs"] = [tok.decode([i], skip_special_tokens=False) for i in ids]
     return JSONResponse(out)
+
+
+async def count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens (Anthropic's): the prompt's tokens as /v1/messages renders
+    it (system, messages and tools through the chat template), errors in Anthropic's shape."""
+    try:
+        state: GatewayState = request.app.state.gateway
+        state.auth.guard(request)
+        data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
+                               state.intake.readers)
+        chat = anthropic.parse(anthropic.CountTokensRequest, data)
+        if state.models_on_demand is not None:
+            await state.models_on_demand.ensure(chat.model, None)
+        entry = state.intake.model(chat.model)
+        _, _, chars, encode = state.intake.prompt_of(chat, entry.tokenizer)
+        if chars > state.cfg.max_prompt_chars:
+            raise APIError(400, f"the input is {chars} characters, over the server's limit "
+                           f"of {state.cfg.max_prompt_chars}", param="messages")
+        try:
+            ids = await _bounded(encode, entry.tokenizer, key=entry.model_id)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"chat template: {exc}", param="messages") from None
+        except offload.Busy as exc:
+            raise too_many_requests(str(exc), "server_busy", 1.0) from None
+    except APIError as exc:
+        return JSONResponse(anthropic.error_body(exc.status, exc.message),
+                            anthropic.error_status(exc.status), exc.headers)
+    return JSONResponse({"input_tokens": len(ids)})
 
 
 async def detokenize(request: Request) -> Response:

@@ -34,7 +34,6 @@ from gateway.engine.request_handle import (
     RequestHandle,
     Stopping,
     WorkerLost,
-    new_request_id,
 )
 from gateway.engine.router import Router
 from protocol import codec
@@ -42,7 +41,7 @@ from protocol import messages as m
 from protocol.transport import KeyPair, load_secret_key
 
 __all__ = ["EngineClient", "ModelEntry", "NoWorkerError", "RequestHandle", "Stopping",
-           "WorkerLost", "WorkerState", "new_request_id"]
+           "WorkerLost", "WorkerState"]
 
 log = logging.getLogger("kestrel.gateway.engine")
 

@@ -2,7 +2,7 @@
 for a request, which to unload, as llama.cpp's router mode and Ollama do.
 
     a request for model M ──ensure(M, deadline)──▶ M has a ready worker: go on (a stream is
-        answered 200 first and kept alive meanwhile: gateway.api.routes)
+        answered 200 first and kept alive meanwhile: gateway.api.exchange)
         M unloaded: unload the least recently used idle model if --models-max are up, start M's
         worker (the launcher's Spawner: kestrel/worker_processes.py), wait for it to join
         (503 model_load_failed naming why its process ended; 504 at the request's deadline)

@@ -12,9 +12,7 @@ each token frame against what the request asked, so that its queue is bounded by
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-import uuid
 from dataclasses import dataclass
 
 from gateway.engine.registry import WorkerState
@@ -58,11 +56,4 @@ class RequestHandle:
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-
-_ids = itertools.count()
-
-
-def new_request_id() -> str:
-    # Unique across workers and gateway restarts: random prefix plus a counter.
-    return f"{uuid.uuid4().hex[:12]}-{next(_ids)}"
 

@@ -14,15 +14,38 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from gateway.api.errors import error_body
+from gateway.api.streaming import sse_event
 from gateway.output.generation import ChoiceEvent, EngineFailure, Generation
 from gateway.output.reasoning import Reasoning, split
 from gateway.output.reasoning import fields as reasoning_fields
 from gateway.prompt.intake import EngineRequest
 
+DONE = b"data: [DONE]\n\n"
+
 
 class Formatter:
     chunk_object = ""  # the "object" of a stream chunk
     id_prefix = "cmpl-"
+    closing: bytes | None = DONE  # what a stream ends with, after its last event
+
+    # ---- the dialect's framing and errors (OpenAI's here; gateway.dialects may differ) -------
+
+    @staticmethod
+    def frame(chunk: dict[str, Any]) -> bytes:
+        """One stream event, as the wire carries it."""
+        return sse_event(chunk)
+
+    @staticmethod
+    def error_chunk(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+        """An error sent inside a stream that already answered 200."""
+        return error_body(status, message, code=code)
+
+    @classmethod
+    def error_shape(cls, status: int, message: str, param: str | None,
+                    code: str | None) -> tuple[int, dict[str, Any]]:
+        """An error answered before the stream or the JSON: its status and body."""
+        return status, error_body(status, message, param, code)
 
     def __init__(self, req: EngineRequest, gen: Generation) -> None:
         self.body = req.body
@@ -38,6 +61,12 @@ class Formatter:
         self.sent_first_token = False  # the native stream puts ttft_ms on its first token
 
     # ---- non-streamed ------------------------------------------------------------------------
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole generation, rendered as one response."""
+        async for event in self.gen.events():
+            self.add(event)
+        return self.response()
 
     def add(self, event: ChoiceEvent) -> None:
         self.texts[event.index].append(event.text)

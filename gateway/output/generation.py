@@ -15,7 +15,9 @@ after close(), with what `worker_id` and `ran` say was served.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +35,15 @@ from gateway.output.timings import Timings
 from protocol import messages as m
 
 T = TypeVar("T")
+
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    """The engine's id of a request: unique across workers and gateway restarts (a random
+    prefix plus a counter)."""
+    return f"{uuid.uuid4().hex[:12]}-{next(_ids)}"
 
 
 class EngineFailure(Exception):
@@ -101,18 +112,20 @@ class _Choice:
 
 
 class Generation:
-    def __init__(self, client: EngineClient, model: ModelEntry, request_id: str,
-                 prompt_ids: list[int], params: m.SamplingParams, stop: list[str],
-                 deadline: float | None, arrival: float, grammar: str | None = None,
-                 cache_salt: str = "", skip_special_tokens: bool = True,
-                 include_stop: bool = False, input_lengths: list[int] | None = None) -> None:
+    def __init__(self, client: EngineClient, model: ModelEntry, prompt_ids: list[int],
+                 params: m.SamplingParams, stop: list[str], deadline: float | None,
+                 arrival: float, grammar: str | None = None, cache_salt: str = "",
+                 skip_special_tokens: bool = True, include_stop: bool = False,
+                 input_lengths: list[int] | None = None, request_id: str | None = None) -> None:
         self.client = client
         self.model = model
-        self.request_id = request_id
+        self.request_id = request_id or new_request_id()  # the engine's id of it
         self.prompt_ids = prompt_ids
         self.params = params
         self.deadline = deadline  # monotonic; None: none
         self.ran = 1.0  # the share of what it asked for that ran (less: its client left early)
+        self.worker_id: str | None = None  # the worker that ended it, once closed
+        self.timed_out = False  # a choice ended by the deadline (ours or the worker's)
         self.timings = Timings(arrival)
         self.choices = [_Choice(IncrementalDetokenizer(model.tokenizer, stop, skip_special_tokens,
                                                        include_stop))
@@ -194,6 +207,7 @@ class Generation:
                 for i, choice in enumerate(self.choices):
                     if choice.finish_reason is None:
                         choice.finish_reason = "timeout"
+                        self.timed_out = True
                         yield ChoiceEvent(i, choice.detok.flush(), [], None, "timeout")
                 await self.close()
                 return
@@ -239,19 +253,16 @@ class Generation:
         elif out.finish_reason is not None:
             finish = out.finish_reason
             text += choice.detok.flush()
+            self.timed_out = self.timed_out or finish == "timeout"
         choice.finish_reason = finish
         return ChoiceEvent(out.index, text, list(out.token_ids), out.logprobs, finish,
                            out.embedding)
 
-    @property
-    def worker_id(self) -> str | None:
-        """The worker that has (or ended) it; None before it was sent. Read at the end, not at
-        start: a retry may have moved the request to another worker."""
-        return None if self.handle is None else self.handle.worker.hello.worker_id
-
     async def close(self) -> None:
-        """Idempotent: stop the work at the worker if it may still run."""
+        """Idempotent: stop the work at the worker if it may still run; `worker_id` says which
+        worker ended it (read here, not at start: a retry may have moved it)."""
         if self.handle is not None:
+            self.worker_id = self.handle.worker.hello.worker_id
             if self._live and not all(c.worker_done for c in self.choices):
                 if any(c.finish_reason is None for c in self.choices):
                     # Its client left before its end (a stop string or a deadline is an end):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,6 +39,7 @@ from gateway.api.schemas import (
     check_limits,
 )
 from gateway.config import GatewayConfig
+from gateway.dialects import anthropic
 from gateway.engine.engine_client import EngineClient, ModelEntry
 from gateway.prompt.structured import request_grammar
 from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
@@ -56,6 +58,9 @@ class Route:
     default_max_tokens: int | None = 16
     stream: bool | None = None  # None: the body's own `stream`
     generates: bool = True  # False: its prompt is all its work (embeddings)
+    # Another dialect's body (gateway.dialects): validated in its own terms (`schema`, which
+    # /openapi.json documents) and returned as the chat request it asks for.
+    parse: Callable[[Any], Any] | None = None
 
 
 ROUTES: dict[str, Route] = {
@@ -64,6 +69,8 @@ ROUTES: dict[str, Route] = {
     "generate": Route(GenerateRequest, stream=False),
     "generate_stream": Route(GenerateRequest, stream=True),
     "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
+    "messages": Route(anthropic.MessagesRequest, default_max_tokens=None,
+                      parse=partial(anthropic.parse, anthropic.MessagesRequest)),
 }
 
 
@@ -127,7 +134,7 @@ class Intake:
         data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s,
                                self.readers)
         spec = ROUTES[route]
-        body = parse_body(spec.schema, data)
+        body = spec.parse(data) if spec.parse else parse_body(spec.schema, data)
         stream = bool(body.stream) if spec.stream is None else spec.stream
         address = request.client.host if request.client else ""
         return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream, address,

@@ -54,25 +54,29 @@ class Accounting:
         log line. `finish` is the route's word (aborted, timeout) where the choices' own
         reasons do not say it."""
         now = time.monotonic()
-        finish = finish or _finish_reason(status, gen)
-        mx = self.metrics
-        mx.requests.labels(route, str(status), finish).inc()
         fields: dict[str, Any] = {
             "event": "request_end", "request_id": request_id, "route": route, "status": status,
-            "finish_reason": finish, "tokens_in": None, "tokens_out": None, "queue_wait_ms": None,
+            "tokens_in": None, "tokens_out": None, "queue_wait_ms": None,
             "gateway_wait_ms": None, "ttft_ms": None, "tpot_ms": None,
             "total_ms": _ms(now - arrival), "worker": None, "engine_request_id": None}
+        reasons: list[str | None] = []
         if gen is not None:  # it was admitted: it may have reached a worker
-            fields.update(self._observe(gen, status, arrival, now))
+            reasons = self._observe(gen, arrival, now, fields)
+        finish = finish or _finish_reason(status, reasons)
+        fields["finish_reason"] = finish
+        self.metrics.requests.labels(route, str(status), finish).inc()
         log.info("request ended", extra={"fields": fields})
         if self.tracer is not None:
             self.tracer.end(route, status, gen, arrival, request_id, finish)
 
-    def _observe(self, gen: Generation, status: int, arrival: float,
-                 now: float) -> dict[str, Any]:
-        """The histograms and counters of an admitted request; its fields for the log line."""
+    def _observe(self, gen: Generation, arrival: float, now: float,
+                 fields: dict[str, Any]) -> list[str | None]:
+        """The histograms and counters of an admitted request, and its fields for the log line;
+        its choices' finish reasons."""
         mx, t = self.metrics, gen.timings
         prompt_tokens, completion_tokens = gen.prompt_tokens, gen.completion_tokens
+        reasons = gen.finish_reasons
+        worker = gen.handle.worker.name if gen.handle else None
         queue_wait, tpot = t.queue_wait, t.tpot()
         mx.e2e.observe(now - arrival)
         mx.prompt_tokens.inc(prompt_tokens)
@@ -85,20 +89,23 @@ class Accounting:
         for histogram, value in ((mx.queue_wait, queue_wait), (mx.ttft, ttft), (mx.tpot, tpot)):
             if value is not None:
                 histogram.observe(value)
-        return {"tokens_in": prompt_tokens, "tokens_out": completion_tokens,
-                "queue_wait_ms": _ms(queue_wait), "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot),
-                # the part of the queue wait spent in the gateway's own admission queue
-                "gateway_wait_ms": None if t.sent is None else _ms(t.sent - arrival),
-                "engine_request_id": gen.request_id,
-                "worker": gen.handle.worker.name if gen.handle else None}
+        fields.update({
+            "tokens_in": prompt_tokens, "tokens_out": completion_tokens,
+            "queue_wait_ms": _ms(queue_wait), "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot),
+            # the part of the queue wait spent in the gateway's own admission queue
+            "gateway_wait_ms": None if t.sent is None else _ms(t.sent - arrival),
+            "engine_request_id": gen.request_id,
+            "worker": worker})
+        return reasons
 
 
-def _finish_reason(status: int, gen: Generation | None) -> str:
+def _finish_reason(status: int, choices: list[str | None]) -> str:
+    """The finish reason of the log line and the counter, from the status and the choices'."""
     if status in _STATUS_FINISH:
         return _STATUS_FINISH[status]
     if status >= 400:
         return "error"
-    reasons = [r for r in (gen.finish_reasons if gen else []) if r]
+    reasons = [r for r in choices if r]
     reason = reasons[0] if reasons else "none"
     return "aborted" if reason == "abort" else reason  # the worker's word for it
 

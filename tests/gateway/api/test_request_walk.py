@@ -15,9 +15,10 @@ Two walks are counted:
   when entered from another file (a resumed coroutine continues a stop already made, and a
   method calling another of the same file stays in the file the reader has open; neither is a
   new stop). This is the path a reader follows from the handler: intake -> admit -> route ->
-  stream should read one way. At most MAX_RETURNS (15 before issue 24's refactor, 8 after; 15
-  since issue 38, where the generation's start and its close with the slot's release moved out
-  of admit.start and Generation.close into the exchange, so the walk now sees them).
+  stream should read one way. At most MAX_RETURNS (15 before issue 24's refactor, 8 after;
+  counted as above from issue 38 on: 8 before its Exchange, 7 after, although the walk now
+  also sees the generation's start and its close with the slot's release, which moved out of
+  admit.start and Generation.close into the exchange).
 - the full walk: every call event at any depth, coroutine resumptions and the three token
   frames included, each thread's calls in their own order. It is dominated by nested helpers
   and by the per-token loop (generation -> detokenize -> tokenizer -> formatter, once a frame),
@@ -46,13 +47,12 @@ from tests.gateway.fake_engine import FakeEngine
 
 GATEWAY_DIR = os.path.dirname(os.path.abspath(gateway.__file__)) + os.sep
 ROUTES_FILE = os.path.join("api", "exchange.py")  # the route's way (issue 38: one Exchange)
-MAX_RETURNS = 15  # the route's walk
+MAX_RETURNS = 7  # the route's walk
 # The full walk: 112 before issue 24's refactor, 89 after (with the tokenizing thread's calls
 # interleaved as they fell, 89-96 by the machine's load); 97 since issue 36's admission by the
 # work admitted (backlog.py, entered at admission, after tokenizing and at the end), each thread's
-# calls now counted in their own order; 108 since issue 38's Exchange (its own methods, and the
-# start and close it took over from admit.start and Generation.close).
-FULL_WALK_RETURNS = 108
+# calls now counted in their own order; 99 before issue 38's Exchange, 97 after.
+FULL_WALK_RETURNS = 97
 
 
 def collapse(files: list[str]) -> list[str]:
@@ -79,7 +79,7 @@ class WalkRecorder:
     the frame is entered for the first time, the file of its caller)."""
 
     def __init__(self, handler: Any) -> None:
-        self.handler_code = handler.__code__
+        self.handler_code = getattr(handler, "func", handler).__code__  # a partial's function
         self.calls: list[tuple[str, bool, str, int]] = []  # ... and the calling thread
         self._frames: list[FrameType] = []  # held, so that a frame's id is never reused
         self._seen: set[int] = set()

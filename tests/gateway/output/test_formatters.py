@@ -48,8 +48,8 @@ def run(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
         engine = FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)),
                             finish_reason=finish)
         req = engine_request(route, body, client.models["tiny"], tok.encode(PROMPT), **params)
-        gen = Generation(client, req.model, "rid-1", req.prompt_ids, req.params, req.stop,
-                         req.deadline, req.arrival)
+        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop,
+                         req.deadline, req.arrival, request_id="rid-1")
         await gen.start()
         events = [event async for event in gen.events()]
         assert engine.sent and isinstance(engine.sent[0], m.Generate)

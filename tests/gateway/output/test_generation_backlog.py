@@ -37,8 +37,8 @@ def generate(info: m.TokenizerInfo, tok: GatewayTokenizer, steps: list[list[m.To
 
         client.link.send = send  # type: ignore[method-assign]
         now = time.monotonic()
-        gen = Generation(client, client.models["tiny"], "rid-1", [1, 2, 3],
-                         m.SamplingParams(n=n), stop, now + 30, now)
+        gen = Generation(client, client.models["tiny"], [1, 2, 3], m.SamplingParams(n=n), stop,
+                         now + 30, now, request_id="rid-1")
         await gen.start()
         for step in steps:
             await client._dispatch(worker, m.StepOutputs(step))

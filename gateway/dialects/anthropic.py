@@ -1,0 +1,203 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), as a thin
+translation onto the chat route: its body becomes a chat completion request, which the one
+intake, admission and engine path serve; its answer and its errors are rendered back in
+Anthropic's shapes (gateway.dialects.anthropic_reply).
+
+    system, messages (text, tool_use, tool_result blocks), max_tokens (required), stop_sequences,
+    temperature, top_p, top_k, tools (name, description, input_schema), tool_choice
+    (auto, any, tool, none), stream ──to_chat──▶ ChatCompletionRequest
+        (a tool_use block: the assistant's tool_calls; a tool_result block: a "tool" message)
+
+Kept out, each refused with a 400 that names it: image and document blocks (no vision here),
+extended thinking (`thinking`), server tools (a tool with a `type`, such as web search).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.api.errors import APIError, validation_error
+from gateway.api.schemas import ChatCompletionRequest
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+                499: "invalid_request_error", 500: "api_error", 502: "api_error",
+                503: "overloaded_error", 504: "timeout_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error",
+            "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_status(status: int) -> int:
+    """Anthropic answers a body that does not validate with 400, where OpenAI's routes say 422."""
+    return 400 if status == 422 else status
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # cache_control, citations: accepted, not used
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+# What a block may say it is: the others are named in a 400 before validation
+BLOCK_TYPES = ("text", "tool_use", "tool_result")
+
+
+class Message(_Block):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(min_length=1)]
+
+
+class Tool(_Block):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Block):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages, as Anthropic's API types it (unknown fields ignored, as theirs are
+    not all ours: metadata, service_tier)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    stream: bool = False
+    timeout: Annotated[float, Field(gt=0.0)] | None = None  # ours, as on every route
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens."""
+
+    max_tokens: Annotated[int, Field(ge=1)] = 1
+
+
+def refuse_unsupported(data: Any) -> None:
+    """A 400 that names what this server does not serve, before the schema's own errors."""
+    if not isinstance(data, dict):
+        return
+    if data.get("thinking") is not None:
+        raise APIError(400, "thinking: extended thinking is not supported here",
+                       param="thinking", code="unsupported_parameter")
+    for i, tool in enumerate(data.get("tools") or []):
+        if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+            raise APIError(400, f"tools.{i}.type: server tools ({tool['type']!r}) are not "
+                           "supported here; only tools with an input_schema",
+                           param=f"tools.{i}.type", code="unsupported_parameter")
+    for i, msg in enumerate(data.get("messages") or []):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                raise APIError(400, f"messages.{i}.content.{j}.type: {kind!r} blocks are not "
+                               f"supported here (only {', '.join(BLOCK_TYPES)})",
+                               param=f"messages.{i}.content.{j}.type",
+                               code="unsupported_parameter")
+
+
+def parse(schema: type[MessagesRequest], data: Any) -> ChatCompletionRequest:
+    """The body, validated in Anthropic's terms, as the chat request it asks for."""
+    refuse_unsupported(data)
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_value")
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    try:
+        return ChatCompletionRequest.model_validate(to_chat(body))
+    except ValidationError as exc:  # a bound of the chat route's (the prompt's size, ...)
+        raise validation_error(exc) from None
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def to_chat(body: MessagesRequest) -> dict[str, Any]:
+    """The chat completion body `body` asks for (a dict, validated by the caller)."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system)})
+    for msg in body.messages:
+        if isinstance(msg.content, str):
+            messages.append({"role": msg.role, "content": msg.content})
+            continue
+        text = "".join(b.text for b in msg.content if isinstance(b, TextBlock))
+        if msg.role == "assistant":
+            calls = [{"id": b.id, "type": "function",
+                      "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in msg.content if isinstance(b, ToolUseBlock)]
+            messages.append({"role": "assistant", "content": text or None,
+                             **({"tool_calls": calls} if calls else {})})
+            continue
+        for b in msg.content:  # a user turn: the tool results first, as the calls were made
+            if isinstance(b, ToolResultBlock):
+                result = _text(b.content)
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                 "content": f"Error: {result}" if b.is_error else result})
+            elif isinstance(b, ToolUseBlock):
+                raise APIError(400, "a tool_use block belongs to an assistant message",
+                               code="invalid_value")
+        if text or not any(isinstance(b, ToolResultBlock) for b in msg.content):
+            messages.append({"role": "user", "content": text})
+    chat: dict[str, Any] = {"model": body.model, "messages": messages,
+                            "max_tokens": body.max_tokens, "stream": body.stream}
+    if body.stop_sequences:
+        chat["stop"] = body.stop_sequences
+    for name in ("temperature", "top_p", "top_k", "timeout"):
+        if getattr(body, name) is not None:
+            chat[name] = getattr(body, name)
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+            for t in body.tools]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice.name: a tool choice of type 'tool' names the tool",
+                           param="tool_choice.name", code="invalid_value")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+            choice.type) or {"type": "function", "function": {"name": choice.name}}
+        if choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
+    return chat
