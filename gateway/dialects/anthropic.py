@@ -20,7 +20,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.api.errors import APIError, validation_error
-from gateway.api.schemas import ChatCompletionRequest
+from gateway.api.output_schemas import FUNCTION_NAME
+from gateway.api.schemas import (
+    MAX_STOP,
+    MAX_TOKENS,
+    PROMPT_TEXT,
+    STOP_TEXT,
+    ChatCompletionRequest,
+    server_bound,
+)
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -47,7 +55,7 @@ class _Block(BaseModel):
 
 class TextBlock(_Block):
     type: Literal["text"]
-    text: str
+    text: PROMPT_TEXT  # Anthropic's API refuses an empty one too
 
 
 class ToolUseBlock(_Block):
@@ -64,26 +72,44 @@ class ToolResultBlock(_Block):
     is_error: bool = False
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 # What a block may say it is: the others are named in a 400 before validation
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
+_TEXT = PROMPT_TEXT  # not empty, and at most the server's prompt characters
 
 
-class Message(_Block):
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[Block], Field(min_length=1)]
+class UserMessage(_Block):
+    role: Literal["user"]
+    content: _TEXT | Annotated[list[Annotated[TextBlock | ToolResultBlock, Field(
+        discriminator="type")]], Field(min_length=1)]
+
+
+class AssistantMessage(_Block):
+    role: Literal["assistant"]
+    content: _TEXT | Annotated[list[Annotated[TextBlock | ToolUseBlock, Field(
+        discriminator="type")]], Field(min_length=1)]
+
+
+Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class Tool(_Block):
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    name: FUNCTION_NAME  # as the chat route's tools name theirs
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Block):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+class ToolChoiceMode(_Block):
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Block):
+    type: Literal["tool"]
+    name: FUNCTION_NAME
+    disable_parallel_tool_use: bool = False
+
+
+ToolChoice = Annotated[ToolChoiceMode | ToolChoiceTool, Field(discriminator="type")]
 
 
 class MessagesRequest(BaseModel):
@@ -91,14 +117,14 @@ class MessagesRequest(BaseModel):
     not all ours: metadata, service_tier)."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)]
+    model: Annotated[str | None, Field(json_schema_extra=server_bound(enum="model"))] = None
+    max_tokens: MAX_TOKENS  # at most the server's cap, which /openapi.json states
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
-    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    stop_sequences: Annotated[list[STOP_TEXT], Field(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=1)] | None = None
+    top_k: Annotated[int, Field(ge=1, lt=2**31)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     stream: bool = False
@@ -175,9 +201,6 @@ def to_chat(body: MessagesRequest) -> dict[str, Any]:
                 result = _text(b.content)
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                  "content": f"Error: {result}" if b.is_error else result})
-            elif isinstance(b, ToolUseBlock):
-                raise APIError(400, "a tool_use block belongs to an assistant message",
-                               code="invalid_value")
         if text or not any(isinstance(b, ToolResultBlock) for b in msg.content):
             messages.append({"role": "user", "content": text})
     chat: dict[str, Any] = {"model": body.model, "messages": messages,
@@ -192,12 +215,10 @@ def to_chat(body: MessagesRequest) -> dict[str, Any]:
             "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
             for t in body.tools]
     choice = body.tool_choice
-    if choice is not None:
-        if choice.type == "tool" and not choice.name:
-            raise APIError(400, "tool_choice.name: a tool choice of type 'tool' names the tool",
-                           param="tool_choice.name", code="invalid_value")
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
-            choice.type) or {"type": "function", "function": {"name": choice.name}}
+    if choice is not None and body.tools:  # (without tools there is nothing to choose from)
+        chat["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                               if isinstance(choice, ToolChoiceTool) else
+                               {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         if choice.disable_parallel_tool_use:
             chat["parallel_tool_calls"] = False
     return chat

@@ -29,6 +29,9 @@ POSITIVE_EXAMPLES = 50
 # prompt's length in tokens against the context, a regex, grammar or JSON schema that does not
 # compile, a deadline this server is too slow for, a named tool missing from the tools, a load.
 BEYOND_A_SCHEMA = {"context_length_exceeded", "invalid_response_format", "deadline_unreachable"}
+# Anthropic's error shape has no code: the same refusals, known by their messages' openings
+ANTHROPIC_BEYOND = ("invalid tool_choice:", "invalid response_format:", "the prompt has",
+                    "the prompt (", "this request cannot finish")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,8 @@ def test_openapi_lists_every_route(served: GatewayProc) -> None:
     assert set(doc["paths"]) == {
         "/v1/completions", "/v1/chat/completions", "/v1/generate", "/v1/generate/stream",
         "/v1/models", "/health", "/health/live", "/health/ready", "/metrics", "/v1/metrics",
-        "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings"}
+        "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/messages",
+        "/v1/messages/count_tokens"}
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
     assert "messages" in doc["components"]["schemas"][ref]["properties"]
@@ -87,6 +91,12 @@ def test_schemathesis_finds_no_server_error(api_schema: Any) -> None:
             "POST /v1/generate/stream", "GET /v1/models", "GET /health"} <= set(labels), labels
 
 
+# Anthropic's bodies hold lists of blocks in each message, so more of the drawn prompts pass this
+# fixture's 256-token context (measured: 24 of 50 served, every refusal a context length, which
+# the check above holds to be beyond a schema).
+MIN_SERVED = {"POST /v1/messages": 0.4}
+
+
 def _beyond_a_schema(status: int, error: dict[str, Any]) -> bool:
     return (status == 429 or error.get("code") in BEYOND_A_SCHEMA
             or "not among the tools" in str(error.get("message"))
@@ -112,7 +122,11 @@ def _positive_cases(operation: Any) -> tuple[int, list[tuple[int, dict, Any]]]:
         if response.status_code < 300:
             served[0] += 1
         else:
-            refused.append((response.status_code, response.json()["error"], case.body))
+            error = response.json()["error"]
+            if "code" not in error:  # Anthropic's routes: {"type", "message"}
+                beyond = str(error.get("message")).startswith(ANTHROPIC_BEYOND)
+                error = {**error, "code": "context_length_exceeded" if beyond else error["type"]}
+            refused.append((response.status_code, error, case.body))
 
     run()
     return served[0], refused
@@ -144,7 +158,9 @@ def test_valid_cases_are_served(api_schema: Any) -> None:
         statable = [(status, error, body) for status, error, body in refused
                     if not _beyond_a_schema(status, error)]
         assert not statable, (operation.label, rates[operation.label], statable[:5])
-        assert served >= 0.6 * total, (operation.label, rates[operation.label],
+        assert served >= MIN_SERVED.get(operation.label, 0.6) * total, (
+            operation.label, rates[operation.label],
                                        [(status, error) for status, error, _ in refused])
     print("served of the positive cases:", rates)
-    assert len(rates) == 7, rates  # the four generation routes, embeddings, (de)tokenize
+    # the four generation routes, embeddings, (de)tokenize, Anthropic's messages and its count
+    assert len(rates) == 9, rates
