@@ -25,6 +25,7 @@ from gateway.api.errors import APIError
 from gateway.api.exchange import answer
 from gateway.api.openapi import OpenAPIDocument, server_figures
 from gateway.config import GatewayConfig
+from gateway.dialects import ollama_info
 from gateway.engine.on_demand import OnDemand, Spawner
 from gateway.offload import LoopLag
 from gateway.service import GatewayState
@@ -32,7 +33,8 @@ from gateway.service import GatewayState
 # The engine's routes, by path: each one Exchange (gateway.api.exchange), told its route's name.
 ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                  "/v1/embeddings": "embeddings", "/v1/generate": "generate",
-                 "/v1/generate/stream": "generate_stream", "/v1/messages": "messages"}
+                 "/v1/generate/stream": "generate_stream", "/v1/messages": "messages",
+                 "/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
 
 
 def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
@@ -64,6 +66,10 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
         Route("/models/unload", unload_model, methods=["POST"]),
         Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
         Route("/v1/messages/count_tokens", tokenize_routes.count_tokens, methods=["POST"]),
+        Route("/api/tags", ollama_info.tags, methods=["GET"]),
+        Route("/api/ps", ollama_info.ps, methods=["GET"]),
+        Route("/api/show", ollama_info.show, methods=["POST"]),
+        Route("/api/version", ollama_info.version, methods=["GET"]),
         Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),

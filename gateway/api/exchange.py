@@ -31,6 +31,7 @@ from gateway.admission.queue import Served, Slot, Ticket
 from gateway.api.errors import APIError
 from gateway.api.streaming import ClientGone, SSEResponse, unless_gone
 from gateway.dialects.anthropic_reply import MessagesFormatter
+from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
 from gateway.engine.engine_client import NoWorkerError
 from gateway.engine.on_demand import OnDemand
 from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
@@ -39,8 +40,10 @@ from gateway.prompt.intake import Draft, EngineRequest
 from gateway.service import GatewayState
 
 log = logging.getLogger("kestrel.gateway")
-# How each route renders its answer and its errors: OpenAI's, the native API's, Anthropic's.
-FORMATTERS = {**OPENAI_FORMATTERS, "messages": MessagesFormatter}
+# How each route renders its answer and its errors: OpenAI's, the native API's, Anthropic's,
+# Ollama's.
+FORMATTERS = {**OPENAI_FORMATTERS, "messages": MessagesFormatter,
+              "ollama_chat": OllamaFormatter, "ollama_generate": OllamaGenerateFormatter}
 
 
 async def answer(request: Request, route: str) -> Response:
@@ -178,9 +181,11 @@ class Exchange:
             self.finish = "aborted"
             await self.release()
 
+        shape = FORMATTERS[self.route]
         return SSEResponse(self._events(opening), on_disconnect, self.headers, deadline=deadline,
                            keepalive_s=self.state.cfg.sse_keepalive_s,
-                           send_timeout_s=self.state.cfg.send_timeout_s)
+                           send_timeout_s=self.state.cfg.send_timeout_s,
+                           media_type=shape.media_type, keepalive=shape.keepalive)
 
     async def _events(self, opening: Awaitable[None] | None) -> AsyncIterator[bytes]:
         shape = FORMATTERS[self.route]  # the dialect: its framing and its error events

@@ -48,6 +48,8 @@ ANTHROPIC_ERROR = {  # the Messages routes' errors (gateway.dialects.anthropic)
         "type": "object", "required": ["type", "message"],
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
 }
+OLLAMA_ERROR = {"type": "object", "required": ["error"],  # Ollama's routes' (gateway.dialects)
+                "properties": {"error": {"type": "string"}}}
 # Statuses any route may answer (besides its own 200), and what they mean here.
 COMMON_ERRORS = {"401": "a valid API key is required", "429": "rate limited, or the queue is "
                  "full or too slow for the request's deadline (see Retry-After)",
@@ -76,6 +78,13 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
      "Anthropic's Messages API (stream: true for its SSE events)", True),
     ("/v1/messages/count_tokens", "post", CountTokensRequest,
      "Anthropic's token count of a Messages request", False),
+    ("/api/chat", "post", INTAKE_ROUTES["ollama_chat"].schema,
+     "Ollama's chat (streamed as JSON lines unless stream: false)", True),
+    ("/api/generate", "post", INTAKE_ROUTES["ollama_generate"].schema,
+     "Ollama's generate (streamed as JSON lines unless stream: false)", True),
+    ("/api/tags", "get", None, "Ollama's list of the models this server can serve", False),
+    ("/api/ps", "get", None, "Ollama's list of the models loaded now", False),
+    ("/api/version", "get", None, "the Ollama API version this server speaks", False),
     ("/tokenize", "post", TokenizeRequest, "a prompt's or a chat's token ids (vLLM's shape)",
      False),
     ("/detokenize", "post", DetokenizeRequest, "the text of token ids (vLLM's shape)", False),
@@ -98,7 +107,7 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
     models = [(model, "validation") for _, _, model, _, _ in ROUTES if model is not None]
     names, defs = models_json_schema(models, ref_template=REF)
     schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": ERROR,
-                               "AnthropicError": ANTHROPIC_ERROR}
+                               "AnthropicError": ANTHROPIC_ERROR, "OllamaError": OLLAMA_ERROR}
     paths: dict[str, Any] = {}
     for path, method, model, summary, streams in ROUTES:
         ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
@@ -106,7 +115,8 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
             ok = {"text/plain": {"schema": {"type": "string"}}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
-        shape = "AnthropicError" if path.startswith("/v1/messages") else "Error"
+        shape = ("AnthropicError" if path.startswith("/v1/messages") else
+                 "OllamaError" if path.startswith("/api/") else "Error")
         op: dict[str, Any] = {
             "summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}",
             "responses": {"200": {"description": "OK", "content": ok},
@@ -117,6 +127,8 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, A
             op["responses"].update({code: _error(text, shape) for code, text in
                                     GENERATION_ERRORS.items()
                                     if not (shape == "AnthropicError" and code == "422")})
+        if streams and shape == "OllamaError":
+            ok["application/x-ndjson"] = ok.pop("text/event-stream")
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
                                          "description": DESCRIPTION},

@@ -53,13 +53,17 @@ class SSEResponse:
 
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], Awaitable[None]],
                  headers: dict[str, str] | None = None, *, deadline: float | None = None,
-                 keepalive_s: float = 10.0, send_timeout_s: float = 10.0) -> None:
+                 keepalive_s: float = 10.0, send_timeout_s: float = 10.0,
+                 media_type: str = "text/event-stream; charset=utf-8",
+                 keepalive: bytes | None = KEEPALIVE) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
         self.headers = {**SSE_HEADERS, **(headers or {})}
         self.deadline = deadline  # monotonic
         self.keepalive_s = keepalive_s
         self.send_timeout_s = send_timeout_s
+        self.media_type = media_type  # (JSON lines, for Ollama's API, are streamed the same way)
+        self.keepalive = keepalive  # None: the format has no comment to send
         self.tick = min(1.0, keepalive_s / 2, send_timeout_s / 2)
 
     def _send_limit(self) -> float:
@@ -69,7 +73,7 @@ class SSEResponse:
                    max(0.0, self.deadline - time.monotonic()) + DEADLINE_GRACE_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        raw_headers = [(b"content-type", self.media_type.encode())]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
         lock = asyncio.Lock()  # the stream and the watchdog's keep-alives take turns
         last_write = time.monotonic()
@@ -97,10 +101,10 @@ class SSEResponse:
                 now = time.monotonic()
                 if write_due is not None and now > write_due:
                     break  # the client stopped taking what we send
-                if write_due is None and not lock.locked() and now - last_write >= \
-                        self.keepalive_s:  # nothing to say yet: a comment keeps proxies quiet
+                if self.keepalive and write_due is None and not lock.locked() and \
+                        now - last_write >= self.keepalive_s:  # a comment keeps proxies quiet
                     with anyio.move_on_after(self._send_limit()) as limit:
-                        await write(body(KEEPALIVE))
+                        await write(body(self.keepalive))
                     if limit.cancelled_caught:
                         break
             await self.on_disconnect()

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.api.errors import error_body
-from gateway.api.streaming import sse_event
+from gateway.api.streaming import KEEPALIVE, sse_event
 from gateway.output.generation import ChoiceEvent, EngineFailure, Generation
 from gateway.output.reasoning import Reasoning, split
 from gateway.output.reasoning import fields as reasoning_fields
@@ -28,6 +28,8 @@ class Formatter:
     chunk_object = ""  # the "object" of a stream chunk
     id_prefix = "cmpl-"
     closing: bytes | None = DONE  # what a stream ends with, after its last event
+    keepalive: bytes | None = KEEPALIVE  # sent while a stream has nothing to say; None: never
+    media_type = "text/event-stream; charset=utf-8"  # a stream's
 
     # ---- the dialect's framing and errors (OpenAI's here; gateway.dialects may differ) -------
 

@@ -39,7 +39,7 @@ from gateway.api.schemas import (
     check_limits,
 )
 from gateway.config import GatewayConfig
-from gateway.dialects import anthropic
+from gateway.dialects import anthropic, ollama
 from gateway.engine.engine_client import EngineClient, ModelEntry
 from gateway.prompt.structured import request_grammar
 from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
@@ -71,6 +71,9 @@ ROUTES: dict[str, Route] = {
     "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
     "messages": Route(anthropic.MessagesRequest, default_max_tokens=None,
                       parse=partial(anthropic.parse, anthropic.MessagesRequest)),
+    "ollama_chat": Route(ollama.ChatRequest, default_max_tokens=None, parse=ollama.parse_chat),
+    "ollama_generate": Route(ollama.GenerateRequest, default_max_tokens=None,
+                             parse=ollama.parse_generate),
 }
 
 
