@@ -53,7 +53,7 @@ class _Block(BaseModel):
     model_config = ConfigDict(extra="ignore")  # cache_control, citations: accepted, not used
 
 
-class TextBlock(_Block):
+class AnthropicTextBlock(_Block):
     type: Literal["text"]
     text: PROMPT_TEXT  # Anthropic's API refuses an empty one too
 
@@ -68,7 +68,7 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
-    content: str | list[TextBlock] = ""
+    content: str | list[AnthropicTextBlock] = ""
     is_error: bool = False
 
 
@@ -77,22 +77,22 @@ BLOCK_TYPES = ("text", "tool_use", "tool_result")
 _TEXT = PROMPT_TEXT  # not empty, and at most the server's prompt characters
 
 
-class UserMessage(_Block):
+class AnthropicUserMessage(_Block):
     role: Literal["user"]
-    content: _TEXT | Annotated[list[Annotated[TextBlock | ToolResultBlock, Field(
+    content: _TEXT | Annotated[list[Annotated[AnthropicTextBlock | ToolResultBlock, Field(
         discriminator="type")]], Field(min_length=1)]
 
 
-class AssistantMessage(_Block):
+class AnthropicAssistantMessage(_Block):
     role: Literal["assistant"]
-    content: _TEXT | Annotated[list[Annotated[TextBlock | ToolUseBlock, Field(
+    content: _TEXT | Annotated[list[Annotated[AnthropicTextBlock | ToolUseBlock, Field(
         discriminator="type")]], Field(min_length=1)]
 
 
-Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
+Message = Annotated[AnthropicUserMessage | AnthropicAssistantMessage, Field(discriminator="role")]
 
 
-class Tool(_Block):
+class AnthropicTool(_Block):
     name: FUNCTION_NAME  # as the chat route's tools name theirs
     description: str | None = None
     input_schema: dict[str, Any]
@@ -120,12 +120,12 @@ class MessagesRequest(BaseModel):
     model: Annotated[str | None, Field(json_schema_extra=server_bound(enum="model"))] = None
     max_tokens: MAX_TOKENS  # at most the server's cap, which /openapi.json states
     messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    system: str | list[AnthropicTextBlock] | None = None
     stop_sequences: Annotated[list[STOP_TEXT], Field(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=1, lt=2**31)] | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     stream: bool = False
     timeout: Annotated[float, Field(gt=0.0)] | None = None  # ours, as on every route
@@ -175,7 +175,7 @@ def parse(schema: type[MessagesRequest], data: Any) -> ChatCompletionRequest:
         raise validation_error(exc) from None
 
 
-def _text(content: str | list[TextBlock]) -> str:
+def _text(content: str | list[AnthropicTextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
@@ -188,7 +188,7 @@ def to_chat(body: MessagesRequest) -> dict[str, Any]:
         if isinstance(msg.content, str):
             messages.append({"role": msg.role, "content": msg.content})
             continue
-        text = "".join(b.text for b in msg.content if isinstance(b, TextBlock))
+        text = "".join(b.text for b in msg.content if isinstance(b, AnthropicTextBlock))
         if msg.role == "assistant":
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input)}}

@@ -40,7 +40,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": message}
 
 
-class Options(BaseModel):
+class OllamaOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -51,17 +51,17 @@ class Options(BaseModel):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
 
 
-class CalledFunction(BaseModel):
+class OllamaCalledFunction(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     arguments: dict[str, Any] = {}
 
 
-class ToolCall(BaseModel):
+class OllamaToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    function: CalledFunction
+    function: OllamaCalledFunction
 
 
-class Message(BaseModel):
+class OllamaMessage(BaseModel):
     """A system, user or tool turn: its text is its content, and not empty."""
 
     model_config = ConfigDict(extra="ignore")
@@ -71,7 +71,7 @@ class Message(BaseModel):
     tool_calls: None = None
 
 
-class AssistantMessage(BaseModel):
+class OllamaAssistantMessage(BaseModel):
     """An assistant turn: its text, or the tools it called (its content then may be empty)."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
@@ -79,11 +79,11 @@ class AssistantMessage(BaseModel):
         {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]})
     role: Literal["assistant"]
     content: str = ""
-    tool_calls: list[ToolCall] = []
+    tool_calls: list[OllamaToolCall] = []
     tool_name: None = None
 
     @model_validator(mode="after")
-    def _says_something(self) -> AssistantMessage:
+    def _says_something(self) -> OllamaAssistantMessage:
         if not self.content and not self.tool_calls:
             raise ValueError("an assistant turn has content or tool_calls")
         return self
@@ -93,26 +93,26 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # keep_alive, think: accepted, not used
     model: Annotated[str | None, Field(json_schema_extra=server_bound(enum="model"))] = None
     format: Literal["json"] | dict[str, Any] | None = None
-    options: Options | None = None
+    options: OllamaOptions | None = None
     stream: bool = True
 
 
-class ChatRequest(_Request):
+class OllamaChatRequest(_Request):
     # A format and tools together: the chat route constrains the text to one or the other
     model_config = ConfigDict(extra="ignore", json_schema_extra={
         "not": {"required": ["format", "tools"]}})
-    messages: Annotated[list[Annotated[Message | AssistantMessage, Field(
+    messages: Annotated[list[Annotated[OllamaMessage | OllamaAssistantMessage, Field(
         discriminator="role")]], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # OpenAI's shape
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> ChatRequest:
+    def _one_constraint(self) -> OllamaChatRequest:
         if self.format is not None and self.tools:
             raise ValueError("format and tools: set one of them")
         return self
 
 
-class GenerateRequest(_Request):
+class OllamaGenerateRequest(_Request):
     prompt: PROMPT_TEXT
     system: str | None = None
     suffix: str | None = None
@@ -120,7 +120,7 @@ class GenerateRequest(_Request):
 
 
 def parse_chat(data: Any) -> ChatCompletionRequest:
-    body = _validated(ChatRequest, data)
+    body = _validated(OllamaChatRequest, data)
     messages: list[dict[str, Any]] = []
     calls_made: list[dict[str, Any]] = []  # the assistant's calls, answered by the tool turns
     for msg in body.messages:
@@ -149,7 +149,7 @@ def parse_chat(data: Any) -> ChatCompletionRequest:
 
 
 def parse_generate(data: Any) -> ChatCompletionRequest | CompletionRequest:
-    body = _validated(GenerateRequest, data)
+    body = _validated(OllamaGenerateRequest, data)
     if body.raw:  # the prompt as it is, no template
         out: dict[str, Any] = {"model": body.model, "prompt": body.prompt,
                                **_common(body)}
@@ -168,7 +168,7 @@ def parse_generate(data: Any) -> ChatCompletionRequest | CompletionRequest:
 def _common(body: _Request) -> dict[str, Any]:
     """The sampling fields, the limit, the format and the stream, as the routes name them."""
     out: dict[str, Any] = {"stream": body.stream}
-    o = body.options or Options()
+    o = body.options or OllamaOptions()
     for name in ("temperature", "top_p", "top_k", "seed", "stop"):
         if getattr(o, name) is not None:
             out[name] = getattr(o, name)

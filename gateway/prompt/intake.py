@@ -71,8 +71,9 @@ ROUTES: dict[str, Route] = {
     "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
     "messages": Route(anthropic.MessagesRequest, default_max_tokens=None,
                       parse=partial(anthropic.parse, anthropic.MessagesRequest)),
-    "ollama_chat": Route(ollama.ChatRequest, default_max_tokens=None, parse=ollama.parse_chat),
-    "ollama_generate": Route(ollama.GenerateRequest, default_max_tokens=None,
+    "ollama_chat": Route(ollama.OllamaChatRequest, default_max_tokens=None,
+                         parse=ollama.parse_chat),
+    "ollama_generate": Route(ollama.OllamaGenerateRequest, default_max_tokens=None,
                              parse=ollama.parse_generate),
 }
 
