@@ -194,6 +194,15 @@ class throttled:  # noqa: N801 (a context manager, named for what the process is
         os.kill(self.pid, signal.SIGCONT)
 
 
+def wait_outstanding_zero(gw: GatewayProc, timeout: float = 10) -> int:
+    """The gateway's outstanding requests once they reach 0, or what they are at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (left := httpx.get(gw.base_url + "/health").json()["queue"]["outstanding"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def decode_step_s(gw: GatewayProc) -> float:
     """The one-row decode step the gateway's worker measured (its /metrics)."""
     for line in httpx.get(gw.base_url + "/metrics", timeout=10).text.splitlines():

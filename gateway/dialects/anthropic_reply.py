@@ -38,10 +38,6 @@ class MessagesFormatter(Formatter):
         data = json.dumps(chunk, separators=(",", ":"))
         return f"event: {chunk['type']}\ndata: {data}\n\n".encode()
 
-    @staticmethod
-    def error_chunk(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-        return error_body(status, message)
-
     @classmethod
     def error_shape(cls, status: int, message: str, param: str | None,
                     code: str | None) -> tuple[int, dict[str, Any]]:

@@ -39,10 +39,6 @@ class OllamaFormatter(Formatter):
     def frame(chunk: dict[str, Any]) -> bytes:
         return json.dumps(chunk, separators=(",", ":")).encode() + b"\n"
 
-    @staticmethod
-    def error_chunk(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-        return error_body(status, message)
-
     @classmethod
     def error_shape(cls, status: int, message: str, param: str | None,
                     code: str | None) -> tuple[int, dict[str, Any]]:

@@ -38,10 +38,10 @@ class Formatter:
         """One stream event, as the wire carries it."""
         return sse_event(chunk)
 
-    @staticmethod
-    def error_chunk(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-        """An error sent inside a stream that already answered 200."""
-        return error_body(status, message, code=code)
+    @classmethod
+    def error_chunk(cls, status: int, message: str, code: str | None = None) -> dict[str, Any]:
+        """An error sent inside a stream that already answered 200: the dialect's error body."""
+        return cls.error_shape(status, message, None, code)[1]
 
     @classmethod
     def error_shape(cls, status: int, message: str, param: str | None,

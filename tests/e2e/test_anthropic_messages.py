@@ -9,14 +9,13 @@ is asked for through `extra_body`, which the route accepts as Anthropic's API do
 from __future__ import annotations
 
 import socket
-import time
 
 import anthropic
 import httpx
 import pytest
 
 from tests.conftest import QWEN_MODEL
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, wait_outstanding_zero
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0}
@@ -106,12 +105,7 @@ def test_a_stream_cut_by_its_client_frees_its_place(
             chunk = s.recv(4096)
             assert chunk and b" 200 OK" in got + chunk, got + chunk
             got += chunk
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if httpx.get(gw.base_url + "/health").json()["queue"]["outstanding"] == 0:
-            break
-        time.sleep(0.05)
-    assert httpx.get(gw.base_url + "/health").json()["queue"]["outstanding"] == 0
+    assert wait_outstanding_zero(gw) == 0
     metrics = gw.metrics()
     assert 'kestrel_requests_total{finish_reason="aborted",route="messages",status="200"}' \
         in metrics

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import ollama
 import pytest
 
 from tests.conftest import QWEN_MODEL
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, wait_outstanding_zero
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0, "num_predict": 40}
@@ -88,12 +87,7 @@ def test_a_stream_cut_by_its_client_frees_its_place(
             assert chunk and b" 200 OK" in got + chunk, got + chunk
             got += chunk
         assert b"application/x-ndjson" in got
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if httpx.get(gw.base_url + "/health").json()["queue"]["outstanding"] == 0:
-            break
-        time.sleep(0.05)
-    assert httpx.get(gw.base_url + "/health").json()["queue"]["outstanding"] == 0
+    assert wait_outstanding_zero(gw) == 0
     assert 'finish_reason="aborted",route="ollama_chat",status="200"' in gw.metrics()
 
 
