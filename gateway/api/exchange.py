@@ -103,7 +103,10 @@ class Exchange:
             if pool is not None and draft.stream and not pool.ready(draft.body.model):
                 # --models-dir: answer 200 now and keep it alive while the worker starts
                 return self._stream(draft.deadline, self._way_in(draft, key))
-            if pool is not None:  # its model's worker started and joined first
+            # Its model's worker started and joined first. The wait's task ends a loop turn
+            # before this resumes, and another request's load may unload the model meanwhile:
+            # it is looked at again here, with no await from this check to the reservation.
+            while pool is not None and not pool.ready(draft.body.model):
                 await unless_gone(gone, _loaded(pool, draft.body.model, draft.deadline))
             # no await from here to the reservation: an idle model is unloaded only between
             self.ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import GatewayProc, WorkerProc
+from tests.procs import GatewayProc, WorkerProc, throttled
 
 # One torch thread per worker: on a small shared machine more threads only contend (tests run
 # about twice as fast under load).
@@ -245,16 +245,19 @@ def test_past_the_drain_timeout_streams_end_with_an_error_event_and_it_exits_0(
         waiter.start()
         wait_for(lambda: httpx.get(gw.base_url + "/health").json()["queue"]["waiting"] == 1,
                  10, "a queued request")
-        gw.signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        waiter.join(5)
-        assert queued[0].status_code == 503, queued[0].text  # queued, never admitted
-        assert queued[0].json()["error"]["code"] == "shutting_down"
-        for s in streams:
-            s.join(10)
-            assert 0.9 < s.ended_at - signalled < 2.5
-            error = s.events()[-1]["error"]  # an error event, then [DONE]
-            assert error["code"] == "shutting_down" and error["type"] == "service_unavailable"
+        # The tiny model makes 1,000 tokens in about a second on a fast host: slowed to a tenth
+        # of its pace, the streams are sure to be running still when the drain timeout passes.
+        with throttled(wk):
+            gw.signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            waiter.join(5)
+            assert queued[0].status_code == 503, queued[0].text  # queued, never admitted
+            assert queued[0].json()["error"]["code"] == "shutting_down"
+            for s in streams:
+                s.join(10)
+                assert 0.9 < s.ended_at - signalled < 2.5
+                error = s.events()[-1]["error"]  # an error event, then [DONE]
+                assert error["code"] == "shutting_down" and error["type"] == "service_unavailable"
         assert gw.popen is not None and gw.popen.wait(10) == 0, gw.output()[-3000:]
         rids = [e["engine_request_id"] for e in gw.log_lines()
                 if e.get("event") == "request_end" and e.get("engine_request_id")]

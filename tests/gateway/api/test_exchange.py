@@ -80,3 +80,50 @@ def test_refusals_are_recorded_once_and_hold_nothing(smollm2_info: m.TokenizerIn
     assert admission.outstanding == 0 and admission.waiting == 0
     assert counted(app) == {("chat", "422", "error"): 1, ("chat", "404", "error"): 1,
                             ("completions", "400", "error"): 1}
+
+
+class UnloadedOnce:
+    """--models-dir's pool for one model that is ready when its wait ends, and unloaded at the
+    next turn of the loop (another request's load needing its room), once."""
+
+    def __init__(self) -> None:
+        self.loaded, self.unloads, self.waits = False, 0, 0
+
+    def ready(self, name: str | None) -> bool:
+        return self.loaded
+
+    async def ensure(self, name: str | None, deadline: float | None) -> None:
+        self.waits += 1
+        self.loaded = True
+        if not self.unloads:
+            asyncio.get_running_loop().call_soon(self._unload)
+
+    def _unload(self) -> None:
+        self.unloads += 1
+        self.loaded = False
+
+
+def test_a_model_unloaded_as_its_wait_ends_is_waited_for_again_before_the_reservation(
+        smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> None:
+    app = create_app(GatewayConfig())
+    FakeEngine(app.state.gateway.client, smollm2_info, smollm2)
+    state, pool = app.state.gateway, UnloadedOnce()
+    state.models_on_demand = pool
+    ready_at_reservation: list[bool] = []
+    reserve = state.admit.reserve
+
+    def watched(draft: Any) -> Any:
+        ready_at_reservation.append(pool.ready(draft.body.model))
+        return reserve(draft)
+
+    state.admit.reserve = watched
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            return await http.post("/v1/chat/completions", json=CHAT)
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 200, resp.text
+    assert pool.unloads == 1 and pool.waits == 2  # unloaded under it once, then loaded again
+    assert ready_at_reservation == [True]  # its place was taken only while its model was up
