@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.config import cache_dir_from_env
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import Int8GroupLinear, load_group_gemv
 
 
@@ -51,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in ((49152, 576), (3072, 576)):
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         scales = torch.rand(n, k // 32, generator=g) / 50
-        native = Int8GroupLinear(codes, scales, native=True)
-        grouped = Int8GroupLinear(codes, scales, native=False)
+        routes = MatmulPlan(native_q8=True).routes("int8_groups", True)
+        native = Int8GroupLinear(codes, scales, routes)
+        grouped = Int8GroupLinear(codes, scales, MatmulPlan().routes("int8_groups", True))
         dense = native.dequantize(torch.bfloat16)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=g)

@@ -98,6 +98,7 @@ class StepRunner(Protocol):
     block_size: int
     max_model_len: int
     scratch_block: int
+    paged_decode: bool  # decodes read the cache in place (the paged kernel)
 
     def check(self, item: StepItem) -> None: ...
 
@@ -106,15 +107,16 @@ class CompiledDecode:
     """Bucketed compiled decode graphs over one runner's model and KV cache."""
 
     def __init__(self, runner: StepRunner, max_num_seqs: int, cache_dir: Path,
-                 options: dict[str, object] | None = None, kernel_rows: int = 0) -> None:
-        """kernel_rows: the row count from which layers switch kernels (GGUF-native layers'
-        dense_min_rows; 0: none). It is made a batch bucket edge: a batch below it is never
+                 options: dict[str, object] | None = None,
+                 switch_rows: tuple[int, ...] = ()) -> None:
+        """switch_rows: the row counts at which some layer changes path (the matmul plan's,
+        model/matmul_plan.py). Each is made a batch bucket edge: a batch below one is never
         padded up to it, so a padded step runs the same kernels as the eager one."""
         self.runner = runner
         self.bs = runner.block_size
         self.scratch = runner.scratch_block  # block id never handed out: padded rows write here
         self.max_batch = pow2_at_least(max_num_seqs, 1 << 30)
-        self.kernel_rows = kernel_rows
+        self.switch_rows = switch_rows
         self.max_nblk = -(-runner.max_model_len // self.bs)
         # Contexts below MIN_CONTEXT tokens share one bucket: attention over a few hundred
         # masked columns costs little, a graph per small size costs a compile each.
@@ -142,8 +144,7 @@ class CompiledDecode:
         while b < self.max_batch:
             out.add(b)
             b *= 2
-        if 1 < self.kernel_rows <= self.max_batch:
-            out.add(self.kernel_rows - 1)
+        out.update(r - 1 for r in self.switch_rows if 1 < r <= self.max_batch)
         return sorted(out)
 
     def ctx_buckets(self) -> list[int]:
@@ -173,7 +174,8 @@ class CompiledDecode:
         # kernel it gathers the padded blocks and masks by `mask`
         meta = AttnMeta(slot_mapping=slots, block_size=self.bs, num_decode=bp,
                         decode_blocks=blocks, decode_ctx=t, decode_mask=mask,
-                        decode_table=blocks.view(bp, nblk), decode_lens=ctx)
+                        decode_table=blocks.view(bp, nblk), decode_lens=ctx,
+                        paged=self.runner.paged_decode)
         return self.runner.model(ids, pos, meta, self.runner.kv_cache, None)  # (Bp, V)
 
     def pack(self, items: list[StepItem]) -> tuple[torch.Tensor, int, int]:

@@ -214,6 +214,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
         tokenizer_digest=tokenizer_digest(info),
         step_costs=step_costs,
         embedding_size=runner.config.hidden_size,
+        matmul_plan=runner.plan.describe(),
     )
 
 
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("model refused: the GGUF file did not parse: %s: %s", type(exc).__name__,
                   " ".join(str(exc).split())[:500])
         return 2
+    log.info("%s", runner.plan.describe())  # "matmul plan: ...", once
     checkpoint = runner.runner_config.model_path
     from engine_worker.grammar import GrammarCompiler
     from engine_worker.speculative.build import build_spec_decoder

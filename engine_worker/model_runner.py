@@ -24,7 +24,7 @@ import torch
 from engine_worker.compiled_step import CompiledDecode
 from engine_worker.kv_cache import KVCache, num_blocks_for_budget
 from engine_worker.model import decode_stack
-from engine_worker.model.attention import Attention, AttnMeta, PrefillSpan
+from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.builder import build_model
 from engine_worker.model.loader import load_config
 from engine_worker.model.quant import weight_bytes
@@ -67,27 +67,27 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
-        built = build_model(cfg, model_cfg, max_model_len)
-        self.model, self.quant, self.paths = built.model, built.quant, built.paths
-        self.config = self.model.config
         self.paged_attention = load_paged_attention(cfg.paged_attention, self.device,
                                                     self.dtype, cfg.cache_dir)
-        # the C++ decode stack serves only paged, float32 decodes: built where those are on
-        self.decode_stack = (decode_stack.build(self.model, cfg.cache_dir)
-                             if cfg.decode_stack == "auto" and self.paged_attention.enabled
-                             and self.dtype == torch.float32 and self.device.type == "cpu"
-                             else None)
-        self.set_paged_attention(self.paged_attention.enabled)
+        built = build_model(cfg, model_cfg, max_model_len, paged=self.paged_attention.enabled)
+        self.model, self.quant, self.paths = built.model, built.quant, built.paths
+        self.plan = built.plan  # which kernel every matmul runs (model/matmul_plan.py)
+        self.config = self.model.config
+        # the C++ decode stack, where the plan has one (paged, float32 decodes on CPU)
+        self.decode_stack = decode_stack.build(self.model, self.plan)
+        # The runner's own switches (tests compare the paths); the modules never change.
+        self.paged_decode = self.paged_attention.enabled
+        self.use_stack = self.decode_stack is not None
         # --threads 0 on a stack-served model: the count is measured while serving
         self.thread_choice = (ThreadChoice(torch.get_num_threads())
-                              if cfg.adapt_threads and self.decode_stack is not None
+                              if cfg.adapt_threads and self.plan.decode_stack
                               and torch.get_num_threads() > 1 else None)
         self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
         self.kv_cache = KVCache(self.config, cache_blocks, block_size, self.dtype, self.device)
         self.compiled: CompiledDecode | None = None
         if cfg.compile_mode == "decode":
             self.compiled = CompiledDecode(self, cfg.max_num_seqs, cfg.cache_dir,
-                                           kernel_rows=built.kernel_rows)
+                                           switch_rows=self.plan.switch_rows())
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
 
@@ -96,9 +96,6 @@ class ModelRunner:
         if on and not self.paged_attention.enabled:
             raise ValueError(f"paged attention kernel unavailable: {self.paged_attention.reason}")
         self.paged_decode = on
-        for mod in self.model.modules():
-            if isinstance(mod, Attention):
-                mod.paged_decode = on
         self.set_decode_stack(on and self.decode_stack is not None)
 
     def set_decode_stack(self, on: bool) -> None:
@@ -107,7 +104,7 @@ class ModelRunner:
         if on and (self.decode_stack is None or not self.paged_decode):
             raise ValueError("the decode stack serves this runner only with paged attention, "
                              "and only where it was built")
-        self.model.decode_stack = self.decode_stack if on else None
+        self.use_stack = on
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem], compiled: bool = True) -> torch.Tensor:
@@ -119,12 +116,13 @@ class ModelRunner:
         if compiled and self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
         ids, positions, meta, rows = self._prepare(items)
-        choice = self.thread_choice if self.model.decode_stack is not None else None
+        stack = self.decode_stack if self.use_stack else None
+        choice = self.thread_choice if stack is not None else None
         if choice is None:
-            return self.model(ids, positions, meta, self.kv_cache, rows)
+            return self.model(ids, positions, meta, self.kv_cache, rows, stack=stack)
         choice.threads()
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, meta, self.kv_cache, rows)
+        logits = self.model(ids, positions, meta, self.kv_cache, rows, stack=stack)
         if meta.num_decode == ids.shape[0]:  # decode-only steps are the ones compared
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
@@ -264,6 +262,7 @@ class ModelRunner:
             decode_table=blocks_t.view(b, nblk) if b else None,
             decode_lens=ctx_t if b else None,
             prefills=spans,
+            paged=self.paged_decode,
         )
         return ids_t, pos_t, meta, rows_t
 

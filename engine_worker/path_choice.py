@@ -9,8 +9,8 @@
                  -> the fastest per row count -> written there, logged; confirmed once a
                  later start's measurement chose the same paths (a choice measured at one
                  busy start is checked again at the next, until two agree)
-      -> load_gguf_model(compute_dtype=..., dense_min_rows=...) and Int8GroupLinear's
-         many-row dtype
+      -> the matmul plan's row bounds and dtypes (model/matmul_plan.py), which every layer is
+         built from
 
 The candidates:
   - our integer-dot kernel over the file's own blocks (engine_worker/int_dot.py) for up to 16
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from engine_worker.kernel_build import _cpu_flags
+from engine_worker.model.matmul_plan import MatmulPlan
 
 log = logging.getLogger("kestrel.paths")
 
@@ -197,17 +198,17 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
         return saved
     t0 = time.monotonic()
     dev = torch.device(device)
-    f32, b16 = torch.float32, torch.bfloat16
-    candidates = {"packed-bfloat16": (b16, 0, b16, 0), "packed-float32": (f32, 0, b16, 0)}
+    # each candidate is a plan of its own, with one path at every row count it is timed at
+    base = MatmulPlan(device=device, native_q8=native_q8)
+    candidates = {"packed-bfloat16": base, "packed-float32": replace(base, packed_dtype="float32")}
     if 4 * weights <= copy_budget:
-        candidates["dense-float32"] = (b16, 1, f32, 0)
+        candidates["dense-float32"] = replace(base, dense_min_rows=1, dense_dtype="float32")
     if bf16 and 2 * weights <= copy_budget:  # elsewhere every element is converted to float32
-        candidates["dense-bfloat16"] = (b16, 1, b16, 0)  # and back: never a contender
+        candidates["dense-bfloat16"] = replace(base, dense_min_rows=1)  # and back: no contender
     if int_dot_isa and all(b.fmt != "float" for b in blocks):
-        candidates[INT_DOT] = (b16, 0, b16, 16)
-    layers = {name: [to_module(b, dev, dtype, True, dense, native_q8, dense_dtype, dot)
-                     for b in blocks]
-              for name, (dtype, dense, dense_dtype, dot) in candidates.items()}
+        candidates[INT_DOT] = replace(base, int_dot_rows=16)
+    layers = {name: [to_module(b, plan, dev) for b in blocks]
+              for name, plan in candidates.items()}
     choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)
     if saved is not None:  # the earlier start's choice, checked again by this measurement
         choice = replace(choice, confirmed=choice.same_paths(saved))

@@ -62,7 +62,7 @@ class ProbeRecord:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "model": [str(model.resolve()), st.st_size, st.st_mtime_ns],
             "dtype": runner.dtype_name, "device": str(runner.device),
-            "paged": runner.paged_decode, "stack": runner.model.decode_stack is not None,
+            "paged": runner.paged_decode, "stack": runner.use_stack, "plan": runner.plan.describe(),
             "compiled": runner.compiled is not None, "block_size": runner.block_size,
             # the probe's decode context is 16 blocks, shorter only in a shorter context; the
             # cache's size is no cost (a --kv-cache-memory fraction differs at every start)

@@ -93,7 +93,8 @@ class GatewayState:
         # its routing id on the engine link).
         workers = [{"id": w.name, "model": w.hello.model_id, "ready": w.ready,
                     "draining": w.draining, "in_flight": len(w.inflight),
-                    "device": w.hello.device, "running": w.stats.running,
+                    "device": w.hello.device, "matmul_plan": w.hello.matmul_plan,
+                    "running": w.stats.running,
                     "waiting": w.stats.waiting,
                     "last_seen_s": round(time.monotonic() - w.last_seen, 3)}
                    for w in self.client.workers.values()]

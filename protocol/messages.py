@@ -131,6 +131,9 @@ class Hello:
     step_costs: StepCosts | None = None  # measured before the Hello (Engine.probe)
     # Floats in one of this worker's embeddings (its model's hidden size); 0: it serves none.
     embedding_size: int = 0
+    # Which kernel every matmul runs, by weight kind and rows: the worker's `matmul plan:` log
+    # line (engine_worker/model/matmul_plan.py), shown by the gateway's /health.
+    matmul_plan: str = ""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class AttnMeta:
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Decodes read K/V in place through their block tables (a C++ kernel, one pass per KV head
+    # for its G query rows) instead of gathering them into a copy: the runner's choice, where
+    # the kernel loaded (CPU, float32/bfloat16); the gather stays the reference and fallback.
+    paged: bool = False
 
     def prefill_rows(self) -> AttnMeta:
         """The same step without its decode rows: the prefill spans alone, from row 0."""
@@ -79,11 +83,6 @@ class Attention(nn.Module):
         # CPU decodes group query heads per KV head (measured faster on CPU, issue 10); False
         # keeps the enable_gqa path, the reference the grouped path is tested against.
         self.grouped_decode = True
-        # Decodes read K/V in place through their block tables (a C++ kernel, one pass per KV
-        # head for its G query rows) instead of gathering them into a copy. The runner turns it
-        # on once the kernel has loaded (CPU, float32/bfloat16); the gather below stays the
-        # reference and the fallback.
-        self.paged_decode = False
 
     def forward(
         self,
@@ -105,7 +104,7 @@ class Attention(nn.Module):
         outs: list[torch.Tensor] = []  # (rows, H, D) pieces in batch-row order
         b, bs = meta.num_decode, meta.block_size
         table, lens = meta.decode_table, meta.decode_lens
-        if b and self.paged_decode and table is not None and lens is not None \
+        if b and meta.paged and table is not None and lens is not None \
                 and k_cache is not None and v_cache is not None:
             # (B, H, D), reading each context where it sits: no copy
             outs.append(paged_decode_attention(q[:b], k_cache, v_cache, table, lens, bs))

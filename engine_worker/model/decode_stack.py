@@ -1,9 +1,10 @@
 """Decode rows through the whole decoder in one C++ call (issue 21): csrc/decode_stack.cpp.
 
-    build(model, cache_dir) once, after the load
-      -> every layer's four linears integer-dot layers (a GGUF file served by the kernel),
-         float32 norms, and the paged attention and integer-dot kernels loaded? a DecodeStack
-         holding each layer's packed weights and norms; else None and the reason in the log
+    the matmul plan (model/matmul_plan.py) says whether it serves: every layer's linears on
+    the integer-dot kernel at one row, float32 on CPU, paged attention, and the kernels load
+    build(model, plan) once, after the load
+      -> a DecodeStack holding each layer's packed weights and norms (the model's norms were
+         built with the stack's RMSNorm); None where the plan has none
     model.forward, a step with decode rows on CPU (model/llama.py)
       -> rows [0, B) (one-token decodes, and verification tokens run as decodes)
          -> DecodeStack(x, cos, sin, kv_cache, meta) -> (B, C), every layer in C++
@@ -32,6 +33,7 @@ from engine_worker.model.attention import AttnMeta
 from engine_worker.model.gguf_native import Parts
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import RMSNorm
+from engine_worker.model.matmul_plan import MatmulPlan
 
 log = logging.getLogger("kestrel.model")
 
@@ -81,19 +83,26 @@ def load(cache_dir: str | Path) -> None:
     load_kernel("decode_stack", str(cache_dir), "decode_stack_loaded", seconds=30)
 
 
-def build(model: torch.nn.Module, cache_dir: str | Path) -> DecodeStack | None:
-    """The model's decode stack, or None (logged) where it cannot serve this model here. The
-    caller has loaded the paged attention kernel, which the stack calls."""
-    reason = why_not(model)
-    if reason is None:
-        try:
-            int_dot.load(cache_dir)
-            load(cache_dir)
-        except KernelUnavailable as exc:
-            reason = str(exc)
-    if reason is not None:
-        log.info("decode rows run layer by layer in Python: %s", reason)
+def loads(cache_dir: str | Path) -> bool:
+    """Whether the stack and the integer-dot kernel it calls load here (the matmul plan asks,
+    before the model is built: its norms take the stack's numerics where it serves)."""
+    try:
+        int_dot.load(cache_dir)
+        load(cache_dir)
+    except KernelUnavailable as exc:
+        log.info("decode rows run layer by layer in Python: %s", exc)
+        return False
+    return True
+
+
+def build(model: torch.nn.Module, plan: MatmulPlan) -> DecodeStack | None:
+    """The model's decode stack where its plan has one (None: the Python layers serve every
+    row). The plan's maker has loaded the kernels, the paged attention's included."""
+    if not plan.decode_stack:
         return None
+    reason = why_not(model)
+    if reason is not None:  # the plan said every layer is integer-dot: a bug if not
+        raise RuntimeError(f"the matmul plan runs decode rows through the stack, but {reason}")
     cfg = model.config
     stack = torch.classes.kestrel.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                               float(cfg.rms_norm_eps))
@@ -106,8 +115,5 @@ def build(model: torch.nn.Module, cache_dir: str | Path) -> DecodeStack | None:
             stack.end_linear()
         stack.add_layer(layer.input_layernorm.weight.detach(),
                         layer.post_attention_layernorm.weight.detach())
-    for m in model.modules():
-        if isinstance(m, RMSNorm):  # the prefill rows' norms: the stack's numerics
-            m.kernel = True
     log.info("decode rows run through the C++ decode stack (%d layers)", stack.num_layers())
     return DecodeStack(stack)

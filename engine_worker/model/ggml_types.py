@@ -130,6 +130,17 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarra
     return None
 
 
+# The kernel format each GGML type is read into (`convert`); any other is dequantized to float.
+_KERNEL_FORMATS = {"F32": "float", "F16": "float", "BF16": "float", "Q4_0": "q4_0",
+                   "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q8_1",
+                   "Q4_K": "q4_1", "Q5_K": "q8_1", "Q6_K": "q8_16"}
+
+
+def kernel_format(t: Any) -> str:
+    """The format `read_tensor` gives a GGUFReader tensor, without reading its data."""
+    return _KERNEL_FORMATS.get(t.tensor_type.name, "float")
+
+
 class Blocks:
     """One tensor's rows: a kernel format and its bytes (N, K/32 * block bytes), or floats."""
 

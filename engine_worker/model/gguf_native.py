@@ -8,22 +8,21 @@ Data flow of `load_gguf_model(gguf, cfg, device)`:
       -> Llama-architecture files only: q/k rows (and biases) un-permuted (llama.cpp's converter
          interleaves them for its RoPE; rows move whole, so the blocks are untouched)
       -> q|k|v and gate|up concatenated by rows (kept as parts when their formats differ)
-      -> a layer per matmul:
-           int_dot_all (files with types torch has no packed kernel for): the integer-dot
-             kernel at every row count, the file's blocks held once
+      -> a layer per matmul, as the matmul plan routes its format (model/matmul_plan.py):
+           files with types torch has no packed kernel for: the integer-dot kernel at every row
+             count, the file's blocks held once
            else, as measured on this host (engine_worker/path_choice.py): the integer-dot kernel
-             up to `int_dot_rows`, torch's packed INT4/INT8 kernels (Q4_x -> INT4 group-32 with
-             w = (q - 8) * scale + zero; Q8_0 -> INT8 group-32) and from `dense_min_rows` a
-             dense copy
+             up to some rows, torch's packed INT4/INT8 kernels (Q4_x -> INT4 group-32 with
+             w = (q - 8) * scale + zero; Q8_0 -> INT8 group-32) and from some rows a dense copy
            no kernel built here: torch's packed layers, float32 for the other formats
          q/k/v biases (Qwen2) added after the matmul, in float32
       -> LlamaForCausalLM built on the meta device with those modules swapped in
       -> the LM head: the file's `output` tensor, or (tied) the token embedding's table itself;
          the embedding decodes only the rows it looks up
 
-With `compute_dtype=torch.float32` and `use_kernel=False` (the exact mode the tests use) the
-layers reproduce the file's dequantization to float32 exactly. The config comes from the GGUF's
-metadata (engine_worker/model/loader.py), the same ModelConfig the float path reads.
+With `MatmulPlan(use_kernel=False)` (the exact mode the tests use) the layers reproduce the
+file's dequantization to float32 exactly. The config comes from the GGUF's metadata
+(engine_worker/model/loader.py), the same ModelConfig the float path reads.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import Linear
 from engine_worker.model.llama import LlamaForCausalLM
+from engine_worker.model.matmul_plan import MatmulPlan, Route
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 
 log = logging.getLogger("kestrel.gguf")
@@ -120,26 +120,22 @@ class BlockEmbedding(nn.Module):
         return w.to(torch.float32).reshape(*ids.shape, self.embedding_dim)
 
 
-def to_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype, use_kernel: bool,
-              dense_min_rows: int, native_q8: bool = False,
-              dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0,
-              int_dot_all: bool = False, bias: torch.Tensor | None = None) -> nn.Module:
-    """Blocks -> a layer computing x @ w.T (+ bias): the integer-dot kernel at every row count
-    (`int_dot_all`), or INT4/INT8 packed layers (Linear for float) with the integer-dot kernel
-    up to `int_dot_rows` rows in front of them (the int_dot kernel loaded by the caller)."""
-    on_cpu = device.type == "cpu"
-    if int_dot_all and b.fmt != "float" and on_cpu:
+def to_module(b: Blocks, plan: MatmulPlan, device: torch.device, head: bool = False,
+              bias: torch.Tensor | None = None) -> nn.Module:
+    """Blocks -> a layer computing x @ w.T (+ bias) by the plan's routes for their format: the
+    integer-dot kernel (loaded by the caller) alone, or in front of the packed layer (Linear for
+    float) that takes the rows past its bound."""
+    routes = plan.routes(b.fmt, head, fits=b.n % 16 == 0)
+    if routes[0].path == "int_dot" and len(routes) == 1:
         return IntDotLinear.from_gguf(b.fmt, b.raw, None, 0, b.n, b.k, bias)
-    layer = _packed_module(b, device, compute_dtype, use_kernel, dense_min_rows, native_q8,
-                           dense_dtype)
-    if int_dot_rows and b.fmt != "float" and on_cpu:
-        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, int_dot_rows, b.n, b.k, bias)
+    front = routes[0] if routes[0].path == "int_dot" else None
+    layer = _packed_module(b, device, routes[1:] if front else routes)
+    if front is not None:
+        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, front.upto, b.n, b.k, bias)
     return layer if bias is None else Biased(layer, bias.to(device))
 
 
-def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
-                   use_kernel: bool, dense_min_rows: int, native_q8: bool,
-                   dense_dtype: torch.dtype) -> nn.Module:
+def _packed_module(b: Blocks, device: torch.device, routes: tuple[Route, ...]) -> nn.Module:
     b = b.packable()
     if b.kind == "float":  # (formats torch has no packed kernel for, where ours is not built)
         lin = Linear(b.k, b.n, bias=False, device="meta")
@@ -148,17 +144,15 @@ def _packed_module(b: Blocks, device: torch.device, compute_dtype: torch.dtype,
     q, scale, zero = b.codes_scales()
     codes = torch.from_numpy(np.ascontiguousarray(q)).to(device)
     if b.kind == "int4":
-        kernel = use_kernel and b.n % 16 == 0
-        cd = compute_dtype if kernel else torch.float32
+        kernel = next((r for r in routes if r.path == "int4"), None)
+        cd = torch.float32 if kernel is None else getattr(torch, kernel.dtype)
         s = torch.from_numpy(scale).to(device, cd)
         z = torch.from_numpy(zero).to(device, cd)  # type: ignore[arg-type]
-        layer = Int4GroupLinear.from_codes(codes.to(torch.int32), s, z, 32, use_kernel=kernel)
-        if kernel and dense_min_rows:
-            layer.keep_dense(dense_min_rows, torch.from_numpy(b.floats()).to(device), dense_dtype)
-        return layer
-    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), use_kernel=use_kernel,
-                           dense_min_rows=dense_min_rows, native=native_q8 and use_kernel,
-                           compute_dtype=compute_dtype, dense_dtype=dense_dtype)
+        copy = any(r.path == "dense" for r in routes)
+        return Int4GroupLinear.from_codes(
+            codes.to(torch.int32), s, z, 32, routes=routes,
+            weight=torch.from_numpy(b.floats()).to(device) if copy else None)
+    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), routes)
 
 
 class ModelRefused(ValueError):
@@ -213,31 +207,24 @@ def check_shapes(tensors: dict[str, Any], cfg: ModelConfig) -> None:
 
 def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
-    max_positions: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
-    use_kernel: bool | None = None, dense_min_rows: int = 0, native_q8: bool = False,
-    dense_dtype: torch.dtype = torch.bfloat16, int_dot_rows: int = 0, int_dot_all: bool = False,
+    plan: MatmulPlan | None = None, max_positions: int | None = None,
     blocks: BlockCache | None = None,
 ) -> LlamaForCausalLM:
-    """Our model over the GGUF's own blocks (see the module docstring). Activations float32;
-    packed layers compute in `compute_dtype`; Q8_0 layers through our C++ kernel at few rows if
-    `native_q8` (loaded by the caller: quant_group.load_group_gemv). `blocks`: where rewritten
-    blocks are kept between starts (model/block_cache.py). Logs progress."""
+    """Our model over the GGUF's own blocks (see the module docstring), each matmul as `plan`
+    routes it (default: torch's packed kernels in bfloat16 on CPU, nothing in front or behind);
+    activations float32. The plan's kernels are loaded by the caller (model/builder.py).
+    `blocks`: where rewritten blocks are kept between starts (model/block_cache.py)."""
     read = read_tensor if blocks is None else blocks.read
     device = torch.device(device)
-    if use_kernel is None:
-        use_kernel = device.type == "cpu"
+    plan = MatmulPlan(device=device.type) if plan is None else plan
     t0 = time.monotonic()
     tensors = ggml_types.tensors(gguf_path)
     check_shapes(tensors, cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, norm_kernel=plan.decode_stack)
 
     def mk(b: Blocks, bias: torch.Tensor | None = None, head: bool = False) -> nn.Module:
-        # A float32 copy of the head (113 MB for SmolLM2) would serve only batches of many
-        # sequences (the head sees one row a sequence); a bfloat16 copy earns its keep there.
-        rows = (dense_min_rows if dense_dtype == torch.bfloat16 else 0) if head else dense_min_rows
-        return to_module(b, device, compute_dtype, bool(use_kernel), rows, native_q8,
-                         torch.bfloat16 if head else dense_dtype, int_dot_rows, int_dot_all, bias)
+        return to_module(b, plan, device, head, bias)
 
     floats: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
@@ -253,7 +240,7 @@ def load_gguf_model(
     embed = read(tensors["token_embd.weight"])
     head = read(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
-    if head is None and embed.kind == "int8" and not int_dot_all:
+    if head is None and embed.kind == "int8" and not plan.int_dot_all:
         table = mk(embed, head=True)  # tied: the head and the embedding read one INT8 table
         rows = table.fallback if isinstance(table, IntDotLinear) else table
         model.model.embed_tokens = Int8GroupEmbedding(rows, torch.float32)  # type: ignore

@@ -1,9 +1,10 @@
 """INT4 weights, asymmetric per group of inputs, two to a byte (engine_worker/model/quant.py
 swaps them in; GGUF Q4_0/Q4_1 blocks adopt the same layout with no rounding).
 
-    x (M, K) --Int4GroupLinear--> (M, N): torch's packed int4 matmul on CPU (tiled bytes,
-                                          bfloat16 activations), a dense copy from
-                                          `dense_min_rows` rows, else dequantize + F.linear
+    x (M, K) --Int4GroupLinear--> (M, N): by its routes (model/matmul_plan.py): torch's packed
+                                          int4 matmul on CPU (tiled bytes, bfloat16
+                                          activations), a dense copy from some rows up, or
+                                          dequantize + F.linear
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.model.int8 import kernel_dtype
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick
 
 _INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -29,18 +31,26 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
+def kernel_routes(use_kernel: bool, dtype: torch.dtype) -> tuple[Route, ...]:
+    """One path at every row count: torch's packed kernel in `dtype`, or dequantize."""
+    return (Route(ALL, "int4", str(dtype).removeprefix("torch.")),) if use_kernel \
+        else (Route(ALL, "dequantize"),)
+
+
 class Int4GroupLinear(nn.Module):
     """Asymmetric INT4 per group of `group_size` inputs: w ~= (q - 8) * scale + zero, q in
     0..15, with scale = (max - min) / 15 and zero = min + 8 * scale per (row, group): the
     layout torch's int4 kernels read. Two weights a byte plus a scale and a zero per group.
 
-    `qweight` is (N, K/2) uint8 either way; with `use_kernel` its bytes are in the CPU kernel's
-    own tiled order (made by `_convert_weight_to_int4pack_for_cpu`, CPU-specific), otherwise in
-    `pack_int4` order. `scales_zeros` is (K/G, N, 2), the kernel's layout."""
+    `qweight` is (N, K/2) uint8 either way; where the routes run torch's kernel its bytes are
+    in the kernel's own tiled order (made by `_convert_weight_to_int4pack_for_cpu`,
+    CPU-specific), otherwise in `pack_int4` order. `scales_zeros` is (K/G, N, 2), the kernel's
+    layout. `routes` (model/matmul_plan.py): which path each row count takes; a "dense" route
+    reads `dense`, an (N, K) copy in its dtype (2 or 4 bytes a weight beside the half byte)."""
 
     def __init__(
         self, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-        bias: torch.Tensor | None, use_kernel: bool,
+        bias: torch.Tensor | None, routes: tuple[Route, ...], dense: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
@@ -48,21 +58,12 @@ class Int4GroupLinear(nn.Module):
         self.register_buffer("qweight", qweight)  # (N, K/2) uint8
         self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) compute dtype
         self.register_buffer("bias", bias)
-        self.use_kernel = use_kernel
-        self.dense_min_rows = 0
-        self.register_buffer("dense", None)  # (N, K) float copy for many rows, if kept
-
-    def keep_dense(self, min_rows: int, weight: torch.Tensor | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> None:
-        """From `min_rows` rows up, compute with a `dtype` copy of the weights through oneDNN
-        (2 or 4 bytes a weight on top of the packed half byte): where it wins is the host's
-        to say (engine_worker/path_choice.py measures it)."""
-        if self.use_kernel and min_rows > 0:
-            self.dense_min_rows = min_rows
-            # `weight` (N, K), when the caller has it, spares reading the tiled bytes back
-            # through the float32 kernel (seconds per layer)
-            w = self.dequantize(torch.float32) if weight is None else weight
-            self.dense = w.to(dtype)
+        self.use_kernel = any(r.path == "int4" for r in routes)  # the bytes' layout
+        if any(r.path == "dense" for r in routes) != (dense is not None):
+            raise ValueError("a dense route needs its copy, and a copy its route")
+        self.register_buffer("dense", dense)  # (N, K)
+        self.routes = routes
+        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
 
     @classmethod
     def from_float(
@@ -96,22 +97,32 @@ class Int4GroupLinear(nn.Module):
                 best = torch.where(better, err, best)
                 q = torch.where(better[..., None], q2, q)
                 scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
-        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias, use_kernel=use_kernel)
+        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias,
+                              routes=kernel_routes(use_kernel, compute_dtype))
 
     @classmethod
     def from_codes(
         cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-        bias: torch.Tensor | None = None, *, use_kernel: bool,
+        bias: torch.Tensor | None = None, *, routes: tuple[Route, ...],
+        weight: torch.Tensor | None = None,
     ) -> Int4GroupLinear:
         """Adopt ready codes: q (N, K) in 0..15, scale and zero (N, K/G) in the compute dtype,
-        meaning w = (q - 8) * scale + zero. GGUF Q4_0/Q4_1 blocks map here with no rounding."""
-        if use_kernel:
+        meaning w = (q - 8) * scale + zero. GGUF Q4_0/Q4_1 blocks map here with no rounding.
+        `weight` (N, K), when the caller has it, makes a dense route's copy without reading the
+        tiled bytes back through the float32 kernel (seconds per layer)."""
+        if any(r.path == "int4" for r in routes):
             packed = _INT4_PACK(q.to(torch.int32), 1)  # (N, K/2) uint8, tiled
         else:
             packed = pack_int4(q)
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # (K/G, N, 2)
-        return cls(packed, sz, group_size, None if bias is None else bias.detach().clone(),
-                   use_kernel)
+        layer = cls(packed, sz, group_size, None if bias is None else bias.detach().clone(),
+                    tuple(r for r in routes if r.path != "dense"))
+        dense = next((r for r in routes if r.path == "dense"), None)
+        if dense is None:
+            return layer
+        w = layer.dequantize(torch.float32) if weight is None else weight
+        return cls(layer.qweight, sz, group_size, layer.bias, routes,
+                   w.to(getattr(torch, dense.dtype)))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights in `dtype`."""
@@ -124,19 +135,24 @@ class Int4GroupLinear(nn.Module):
         sz = self.scales_zeros.transpose(0, 1).to(dtype)  # (N, K/G, 2)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
 
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.scales_zeros.dtype)
+        return _INT4_MM(xc, self.qweight, self.group_size, self.scales_zeros).to(x.dtype)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.dense is not None
+        return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+
+    def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
-            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-        elif self.use_kernel:
-            xc = x.to(self.scales_zeros.dtype)
-            y = _INT4_MM(xc, self.qweight, self.group_size, self.scales_zeros).to(x.dtype)
-        else:
-            y = F.linear(x, self.dequantize(x.dtype))
+        y = getattr(self, pick(self.table, x.shape[0]))(x)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
-                f"kernel={self.use_kernel}")
+                f"routes={describe_routes(self.routes)}")
 
 
 CLIP_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)

@@ -34,6 +34,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # (N,) compute dtype
         self.register_buffer("bias", bias)  # (N,) model dtype or None
         self.use_kernel = use_kernel
+        # one path at every row count (model/matmul_plan.py): torch's kernel, or dequantize
+        self.path = "_kernel" if use_kernel else "_dequantized"
 
     @classmethod
     def from_float(
@@ -54,11 +56,14 @@ class Int8Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])  # (N, K)
 
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return _INT8_MM(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)
+
+    def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
-            y = _INT8_MM(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)
-        else:
-            y = F.linear(x, self.dequantize(x.dtype))
+        y = getattr(self, self.path)(x)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -19,35 +19,46 @@ import torch
 from torch import nn
 
 from engine_worker import int_dot
+from engine_worker.model.matmul_plan import ALL, pick
 
 
 class IntDotLinear(nn.Module):
     def __init__(self, packed: int_dot.Packed, fallback: nn.Module | None, max_rows: int,
                  bias: torch.Tensor | None = None) -> None:
+        """`max_rows`: the plan's bound for the kernel (model/matmul_plan.py); more rows take
+        `fallback`, the layer the plan put behind it (None: the kernel at every row count)."""
         super().__init__()
         self.packed = packed
         self.fallback = fallback
-        self.max_rows = max_rows if fallback is not None else 1 << 62
+        self.max_rows = max_rows if fallback is not None else ALL
         self.in_features, self.out_features = packed.k, packed.n
         self.bias: torch.Tensor | None
         self.register_buffer("bias", bias)
+        self.table = ((self.max_rows, "_int_dot"), (ALL, "_fallback"))
 
     @classmethod
     def from_gguf(cls, fmt: str, raw: object, fallback: nn.Module | None, max_rows: int,
                   n: int, k: int, bias: torch.Tensor | None = None) -> IntDotLinear:
         return cls(int_dot.pack(fmt, raw, n, k), fallback, max_rows, bias)  # type: ignore[arg-type]
 
+    def _int_dot(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        xf = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
+        y = int_dot.mm(self.packed, xf).reshape(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype)
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.fallback is not None
+        return self.fallback(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self.fallback is not None and (not 0 < rows <= self.max_rows
-                                          or x.dtype != torch.float32):
-            y = self.fallback(x)
-        elif rows == 0:
+        if rows == 0:  # an empty batch: nothing to multiply
             y = x.new_zeros(*x.shape[:-1], self.out_features)
+        elif x.dtype != torch.float32 and self.fallback is not None:
+            y = self.fallback(x)  # the kernel takes float32 (a float64 reference, bfloat16)
         else:
-            xf = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
-            y = int_dot.mm(self.packed, xf).reshape(*x.shape[:-1], self.out_features)
-            y = y.to(x.dtype)
+            y = getattr(self, pick(self.table, rows))(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -100,13 +100,14 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # Set where the C++ decode stack serves the model (model/decode_stack.py): float32 CPU
-        # rows then take its norm, so every row of the model has one set of numerics.
-        self.kernel = False
+        # Where the matmul plan runs decode rows through the C++ decode stack (model/
+        # decode_stack.py; the builder has loaded it): float32 CPU rows take its norm, so every
+        # row of the model has one set of numerics.
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and x.dtype == torch.float32 and not torch.compiler.is_compiling():

@@ -50,11 +50,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, norm_kernel: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_kernel)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_kernel)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -71,23 +71,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, norm_kernel: bool = False) -> None:
         super().__init__()
         # Given its (meta) weight, Embedding skips reset_parameters: a random init on the meta
         # device goes through torch's Python refs and imports torch._dynamo (2.7 s a start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, norm_kernel) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_kernel)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. Call `init_rope` once (the loader does) before the first forward."""
+    """The whole model. Call `init_rope` once (the loader does) before the first forward.
+    `norm_kernel`: the norms take the C++ decode stack's RMSNorm (model/layers.py), where the
+    matmul plan runs decode rows through the stack."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, norm_kernel: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, norm_kernel)
         # Tied checkpoints reuse the embedding matrix as the LM head: no second copy.
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -97,9 +99,6 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
-        # Decode rows through one C++ call for every layer (model/decode_stack.py); the model
-        # runner sets it where it can serve, None keeps the Python layers for every row.
-        self.decode_stack: Callable[..., torch.Tensor] | None = None
 
     def init_rope(
         self, max_positions: int, device: torch.device | None = None,
@@ -147,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache | None,
         logits_indices: torch.Tensor | None = None,  # (M,) rows to score; None: all rows
         hidden: bool = False,  # the final norm's output (M, C) instead of logits (embeddings)
+        # decode rows through one C++ call for every layer (model/decode_stack.py; the runner
+        # passes it where the plan has one); None keeps the Python layers for every row
+        stack: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("call init_rope(max_positions) before forward")
@@ -154,11 +156,11 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin.index_select(0, positions)
         x = self.model.embed_tokens(input_ids)  # (N, C)
         b = meta.num_decode
-        if self.decode_stack is not None and b and kv_cache is not None \
+        if stack is not None and b and kv_cache is not None \
                 and x.dtype == kv_cache.dtype == torch.float32 \
                 and not torch.compiler.is_compiling():
             # decode rows through the C++ stack (model/decode_stack.py), prefill rows apart
-            xd = self.decode_stack(x[:b], cos[:b], sin[:b], kv_cache, meta)  # (B, C)
+            xd = stack(x[:b], cos[:b], sin[:b], kv_cache, meta)  # (B, C)
             if b == x.shape[0]:
                 x = xd
             else:

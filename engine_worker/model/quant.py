@@ -33,6 +33,7 @@ from torch import nn
 from engine_worker.config import QUANT_GROUP_SIZES, QUANTIZATIONS, check_choice
 from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
+from engine_worker.model.matmul_plan import MatmulPlan, Route
 from engine_worker.model.quant_group import GROUP, Int8GroupEmbedding, Int8GroupLinear
 
 log = logging.getLogger("kestrel.quant")
@@ -76,29 +77,24 @@ class QuantReport:
                 f"{len(self.skipped)} left in float)")
 
 
-@dataclass(frozen=True)
-class _Options:
-    """How layers are made: the kernels' dtype and use, and the options of one kind only."""
-
-    compute_dtype: torch.dtype | None = None
-    use_kernel: bool | None = None
-    clip_search: bool = False  # INT4 layers
-    native_q8: bool = False  # group-wise INT8 head: our C++ kernel at few rows
-    head_dense_rows: int = 0  # group-wise INT8 head: a bfloat16 copy from this many rows
+def _kernel(route: Route) -> tuple[bool, torch.dtype | None]:
+    """(use torch's kernel, its activations' dtype) for a route (None: the weights')."""
+    if route.path == "dequantize":
+        return False, None
+    return True, getattr(torch, route.dtype)
 
 
 def _quantize(
     w: torch.Tensor, b: torch.Tensor | None, name: str, mode: str, group_size: int,
-    report: QuantReport, opt: _Options,
+    report: QuantReport, plan: MatmulPlan, clip_search: bool,
 ) -> nn.Module | None:
     if mode == "int8g32" and b is None and w.shape[1] % GROUP == 0:
         report.group_sizes[name] = GROUP
-        return Int8GroupLinear.from_float(w, use_kernel=opt.use_kernel, native=opt.native_q8,
-                                          dense_min_rows=opt.head_dense_rows)
+        return Int8GroupLinear.from_float(w, routes=plan.routes("int8_groups", head=True))
     if mode in ("int8", "int8g32"):
         report.group_sizes[name] = 0
-        return Int8Linear.from_float(w, b, compute_dtype=opt.compute_dtype,
-                                     use_kernel=opt.use_kernel)
+        use_kernel, dtype = _kernel(plan.routes("int8")[0])
+        return Int8Linear.from_float(w, b, compute_dtype=dtype, use_kernel=use_kernel)
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -108,29 +104,33 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    return Int4GroupLinear.from_float(w, b, group_size=g, compute_dtype=opt.compute_dtype,
-                                      use_kernel=opt.use_kernel, clip_search=opt.clip_search)
+    fits = w.shape[0] % 16 == 0 and g in (32, 64, 128, 256)  # torch's kernel tiles these
+    use_kernel, dtype = _kernel(plan.routes("int4", fits=fits)[0])
+    return Int4GroupLinear.from_float(w, b, group_size=g, compute_dtype=dtype,
+                                      use_kernel=use_kernel, clip_search=clip_search)
 
 
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, *, lm_head: bool = True,
-    head_mode: str | None = None, compute_dtype: torch.dtype | None = None,
-    use_kernel: bool | None = None, clip_search: bool = False, native_q8: bool = False,
-    head_dense_rows: int = 0,
+    head_mode: str | None = None, plan: MatmulPlan | None = None, clip_search: bool = False,
 ) -> QuantReport:
     """Swap the model's projections for quantized ones in place (after loading; init_rope
-    already done). mode: none | int8 | int4. lm_head: quantize the head too (and, if tied, the
-    embedding to INT8), in head_mode (default: mode). Returns what changed; logs it."""
+    already done), each with the routes `plan` gives its kind (model/matmul_plan.py; default:
+    torch's kernels in bfloat16 on CPU, dequantize elsewhere). mode: none | int8 | int4.
+    lm_head: quantize the head too (and, if tied, the embedding to INT8), in head_mode
+    (default: mode). Returns what changed; logs it."""
     check_choice("quantization", mode, QUANTIZATIONS)
     check_choice("group_size", group_size, QUANT_GROUP_SIZES)
     report = QuantReport(mode, weight_bytes(model), 0)
     if mode == "none":
         report.bytes_after = report.bytes_before
         return report
+    if plan is None:
+        device = next(model.parameters()).device.type
+        plan = MatmulPlan(device=device, use_kernel=device == "cpu")
     # clip_search is off by default: 19 passes over the weights made a loaded 2-core host's INT4
-    # worker start exceed 3 minutes. native_q8: load_group_gemv first.
-    opt = _Options(compute_dtype, use_kernel, clip_search, native_q8, head_dense_rows)
+    # worker start exceed 3 minutes.
     targets = [(n, m) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (lm_head or n != "lm_head")]
     # INT4 mode's head: group-wise INT8. A per-row INT8 (and an INT4) head turned SmolLM2's
@@ -138,14 +138,15 @@ def quantize_model(
     head_mode = head_mode or ("int8g32" if mode == "int4" else mode)
     for name, mod in targets:
         m = head_mode if name == "lm_head" else mode
-        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, opt)
+        new = _quantize(mod.weight, mod.bias, name, m, group_size, report, plan, clip_search)
         if new is not None:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, new)
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if lm_head and getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding):
-        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, opt)
+        head = _quantize(embed.weight, None, "lm_head", head_mode, group_size, report, plan,
+                         clip_search)
         if head is not None:  # tied: the head gets its own quantized copy, the embedding INT8
             model.lm_head = head
             if isinstance(head, Int8Linear):  # same per-row quantization: share it

@@ -17,7 +17,9 @@ when the native kernel serves the layer. Kernels by rows:
   - native (where `load_group_gemv` built it): up to 8 rows, our C++ loop over row-major codes
     (csrc/group_gemv.cpp), which reads each byte once: ~1.5x torch's per-group kernel for the
     SmolLM2 head at one row, ~4x at two (measured, benchmarks/bench_group_gemv.py).
-Scales are kept in float32 (fp16 -> float32 is exact), plus a bfloat16 copy for torch's kernel.
+Which of these serves which row count is the layer's `routes` (model/matmul_plan.py), chosen
+once at build; its forward looks the path up. Scales are kept in float32 (fp16 -> float32 is
+exact), plus a bfloat16 copy for torch's kernel.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.kernel_build import KernelUnavailable, load_kernel
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick
 
 log = logging.getLogger("kestrel.quant")
 
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
 GROUP = 32
 NATIVE_MAX_ROWS = 8  # the C++ kernel's limit (csrc/group_gemv.cpp)
-# Without a dense copy, up to this many rows run the kernel 8 rows at a time (each call reads
-# the codes once; a decode batch); more (a prefill chunk) dequantize once to bfloat16 instead.
-NATIVE_CHUNKED_ROWS = 32
 
 
 def load_group_gemv(cache_dir: Path) -> str | None:
@@ -61,29 +61,33 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], codes.shape[0])  # (M, N)
 
 
+def default_routes(device: torch.device) -> tuple[Route, ...]:
+    """Without a plan: torch's per-group kernel in bfloat16 on CPU, else dequantize."""
+    if _INT8_MM is not None and device.type == "cpu":
+        return (Route(ALL, "int8_groups", "bfloat16"),)
+    return (Route(ALL, "dequantize"),)
+
+
 class Int8GroupLinear(nn.Module):
-    def __init__(
-        self, codes: torch.Tensor, scales: torch.Tensor, *, use_kernel: bool | None = None,
-        dense_min_rows: int = 0, native: bool = False,
-        compute_dtype: torch.dtype = torch.bfloat16, dense_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
+                 routes: tuple[Route, ...] | None = None) -> None:
         """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
-        dense_min_rows > 0 keeps a `dense_dtype` copy used from that many rows up (kernel mode).
-        compute_dtype: torch's per-group kernel's activations and the one-off matrix many rows
-        use without a copy (float32 where the CPU has no native bfloat16: path_choice.py).
-        native: few rows go through our C++ kernel (`kestrel::q8_group_mm`, loaded by the
-        caller with `load_group_gemv`), which reads the codes row-major, as given."""
+        `routes` (model/matmul_plan.py; default_routes without one): the path each row count
+        takes. A "q8" route reads the codes row-major (our C++ kernel, loaded by the caller with
+        `load_group_gemv`); otherwise they are kept group-major for torch's kernel. A "dense"
+        route keeps a copy in its dtype; "int8_groups" and "dequantize" compute in theirs (a
+        dequantize without one: in the activations' dtype, the exact mode)."""
         super().__init__()
         n, k = codes.shape
         if k % GROUP or scales.shape != (n, k // GROUP):
             raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
                              f"do not form groups of {GROUP}")
-        if use_kernel is None:
-            use_kernel = _INT8_MM is not None and codes.device.type == "cpu"
+        routes = default_routes(codes.device) if routes is None else routes
+        dtypes = {r.path: getattr(torch, r.dtype) if r.dtype else None for r in routes}
         self.out_features, self.in_features, self.groups = n, k, k // GROUP
-        self.native = native and codes.device.type == "cpu"
-        self.compute_dtype = compute_dtype
-        self.use_kernel = use_kernel or self.native
+        self.native = "q8" in dtypes
+        self.use_kernel = self.native or "int8_groups" in dtypes
+        self.compute_dtype = dtypes.get("dequantize")  # None: the activations' dtype
         if self.native:  # row-major, as the C++ kernel reads them
             self.register_buffer("codes", codes.contiguous())  # (N, K)
             self.register_buffer("scales", scales.float().contiguous())  # (N, G) float32
@@ -92,15 +96,17 @@ class Int8GroupLinear(nn.Module):
             g_codes = codes.view(n, self.groups, GROUP).transpose(0, 1).contiguous()  # (G, N, 32)
             self.register_buffer("codes", g_codes)
             self.register_buffer("scales", scales.float().t().contiguous())  # (G, N) float32
+            kernel = dtypes.get("int8_groups")
             self.register_buffer("scales_kernel",
-                                 self.scales.to(compute_dtype) if use_kernel else None)
-        self.dense_min_rows = dense_min_rows if self.use_kernel else 0
-        self.register_buffer(
-            "dense", self.dequantize(dense_dtype) if self.dense_min_rows else None)
+                                 None if kernel is None else self.scales.to(kernel))
+        copy = dtypes.get("dense")
+        self.register_buffer("dense", None if copy is None else self.dequantize(copy))
+        self.routes = routes
+        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, *, use_kernel: bool | None = None,
-                   dense_min_rows: int = 0, native: bool = False) -> Int8GroupLinear:
+    def from_float(cls, weight: torch.Tensor, *,
+                   routes: tuple[Route, ...] | None = None) -> Int8GroupLinear:
         """Q8_0's own rule on a float (N, K) matrix: per group of 32, scale = max|w| / 127 (stored
         as float16, as a Q8_0 file would), codes = round(w / scale), rounded against the stored
         scale. The INT4 mode's head: 1 byte a weight, ~2x the error of per-row INT8 spread over
@@ -111,8 +117,7 @@ class Int8GroupLinear(nn.Module):
         w = weight.detach().float().view(n, k // GROUP, GROUP)  # (N, G, 32)
         scales = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12).half().float()  # (N, G)
         codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
-        return cls(codes, scales, use_kernel=use_kernel, dense_min_rows=dense_min_rows,
-                   native=native)
+        return cls(codes, scales, routes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights: codes times their group's float32 scale, then cast."""
@@ -133,31 +138,36 @@ class Int8GroupLinear(nn.Module):
         s = self.scales.index_select(1, ids)[..., None]  # (G, n, 1)
         return (c * s).transpose(0, 1).reshape(ids.shape[0], self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _q8(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().contiguous()
+        ys = [torch.ops.kestrel.q8_group_mm(xf[i : i + NATIVE_MAX_ROWS], self.codes, self.scales)
+              for i in range(0, x.shape[0], NATIVE_MAX_ROWS)]  # (<=8, N) each
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)  # (M, N)
+
+    def _int8_groups(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.scales_kernel is not None
         m = x.shape[0]
-        if not self.use_kernel:
-            return F.linear(x, self.dequantize(x.dtype))
-        if self.dense is not None and m >= self.dense_min_rows:
-            return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-        if self.native:
-            if m > NATIVE_CHUNKED_ROWS:  # prefill without a dense copy: one transient matrix
-                cd = self.compute_dtype
-                return F.linear(x.to(cd), self.dequantize(cd)).to(x.dtype)
-            xf = x.float().contiguous()
-            ys = [torch.ops.kestrel.q8_group_mm(xf[i : i + NATIVE_MAX_ROWS], self.codes,
-                                                self.scales)
-                  for i in range(0, m, NATIVE_MAX_ROWS)]  # (<=8, N) each
-            return (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)  # (M, N)
-        xg = x.to(self.compute_dtype).view(m, self.groups, GROUP).transpose(0, 1).contiguous()
+        xg = x.to(self.scales_kernel.dtype).view(m, self.groups, GROUP).transpose(0, 1)
+        xg = xg.contiguous()  # (G, M, 32)
         acc = torch.zeros(m, self.out_features, dtype=torch.float32, device=x.device)  # (M, N)
         for g in range(self.groups):  # (M, 32) @ (32, N) per group, scaled per output channel
             acc += _INT8_MM(xg[g], self.codes[g], self.scales_kernel[g])  # type: ignore[misc]
         return acc.to(x.dtype)
 
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.dense is not None
+        return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+
+    def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
+        cd = self.compute_dtype or x.dtype  # one transient matrix
+        return F.linear(x.to(cd), self.dequantize(cd)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, pick(self.table, x.shape[0]))(x)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={GROUP}, "
-                f"kernel={self.use_kernel}, native={self.native}, "
-                f"dense_min_rows={self.dense_min_rows}")
+                f"routes={describe_routes(self.routes)}")
 
 
 class Int8GroupEmbedding(nn.Module):

@@ -29,6 +29,7 @@ MAX_MODELS = 16
 MAX_NUM_SEQS = 1024
 MAX_MODEL_LEN = 1 << 20
 MAX_KV_TOKENS = 1 << 30
+MAX_PLAN_CHARS = 2048  # a worker's matmul plan line, shown by /health
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _SHORT = re.compile(r"^[A-Za-z0-9._:+-]{0,32}$")
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -48,6 +49,8 @@ def check_hello(hello: m.Hello) -> str | None:
     for name in ("device", "dtype", "quantization"):
         if not _SHORT.match(getattr(hello, name)):
             return f"{name} must be at most 32 of [A-Za-z0-9._:+-]"
+    if len(hello.matmul_plan) > MAX_PLAN_CHARS or not hello.matmul_plan.isprintable():
+        return f"matmul_plan must be at most {MAX_PLAN_CHARS} printable characters"
     bounds = {"max_model_len": (1, MAX_MODEL_LEN), "max_num_seqs": (1, MAX_NUM_SEQS),
               "kv_capacity_tokens": (0, MAX_KV_TOKENS), "block_size": (1, 4096),
               "weight_bytes": (0, 1 << 50)}

@@ -1,5 +1,6 @@
 """The embedded GGUF served natively (`--model default`, --dtype auto) through the real gateway
-and worker: its Q4_1/Q8_0 blocks packed, 4x smaller than float32, still answering Paris."""
+and worker: its Q4_1/Q8_0 blocks packed, 4x smaller than float32, still answering Paris; its
+matmul plan logged once and shown by /health."""
 
 from __future__ import annotations
 
@@ -32,3 +33,10 @@ def test_default_gguf_served_natively_answers_paris(cache_dir: Path) -> None:
         client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
         assert_chat_names_paris(client, "smol")
         assert "gguf-native weights loaded" in wk.output()  # progress was reported
+        # which kernel each matmul runs: logged once at start, and shown by /health
+        plans = [line for line in wk.output().splitlines() if "matmul plan:" in line]
+        assert len(plans) == 1, plans
+        [worker] = httpx.get(gw.base_url + "/health").json()["workers"]
+        shown = worker["matmul_plan"]
+        assert shown.startswith("matmul plan: ") and "head q8_0: " in shown, shown
+        assert shown in plans[0] and shown.endswith("(flags)")  # --dense-min-rows: no measuring

@@ -16,6 +16,7 @@ import torch
 from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.loader import load_config
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.probe_record import ProbeRecord
 from engine_worker.step_costs import StepCosts
 from tests.engine_worker.gguf_factory import write_state_gguf
@@ -39,7 +40,7 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 
 
 def load(path: Path, cfg: object, cache: BlockCache | None) -> torch.Tensor:
-    model = load_gguf_model(path, cfg, "cpu", int_dot_all=True, blocks=cache)  # type: ignore
+    model = load_gguf_model(path, cfg, "cpu", plan=MatmulPlan(int_dot_all=True), blocks=cache)  # type: ignore
     return _logits(model, PROMPT)
 
 
@@ -104,7 +105,7 @@ def test_a_folder_that_cannot_be_written_serves_without_a_cache(
 def runner_like(model: Path, **over: object) -> SimpleNamespace:
     rc = SimpleNamespace(gguf_path=model, model_path=model.parent)
     fields = dict(runner_config=rc, dtype_name="float32", device="cpu", paged_decode=True,
-                  model=SimpleNamespace(decode_stack=None), compiled=None, num_blocks=64,
+                  use_stack=False, plan=MatmulPlan(), compiled=None, num_blocks=64,
                   block_size=16, max_model_len=1024)
     return SimpleNamespace(**{**fields, **over})
 

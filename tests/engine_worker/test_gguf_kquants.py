@@ -23,11 +23,14 @@ from engine_worker.model.gguf_native import BlockEmbedding, Parts, legacy_only, 
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import rope_inv_freq
 from engine_worker.model.loader import load_config
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.weights import load_model
 from tests.engine_worker.gguf_factory import served_state, write_state_gguf
 from tests.engine_worker.kquant_factory import quantize
 from tests.engine_worker.test_gguf_native import _logits
 from tests.numerics import MARGIN, top2_gap
+
+EXACT = MatmulPlan(use_kernel=False)  # every layer dequantizes: the file's float32 values
 
 Q = gguf.GGMLQuantizationType
 DIMS = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -114,7 +117,7 @@ def test_kernel_formats_hold_the_files_codes(qtype: Q) -> None:
 def test_exact_mode_equals_the_float_model(family: tuple[str, Path, Path, ModelConfig]) -> None:
     kind, path, ref, cfg = family
     assert not legacy_only(path)
-    native = load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32, use_kernel=False)
+    native = load_gguf_model(path, cfg, "cpu", plan=EXACT)
     want = _logits(load_model(ref, torch.float32, "cpu"), PROMPT)
     torch.testing.assert_close(_logits(native, PROMPT), want, atol=2e-4, rtol=2e-4)
     if kind == "qwen2":  # q|k in Q4_K, v in Q6_K: two layers side by side, biases on both
@@ -124,7 +127,7 @@ def test_exact_mode_equals_the_float_model(family: tuple[str, Path, Path, ModelC
 def test_int_dot_mode_serves_every_matmul_from_the_blocks(
         int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig]) -> None:
     kind, path, ref, cfg = family
-    model = load_gguf_model(path, cfg, "cpu", int_dot_all=True)
+    model = load_gguf_model(path, cfg, "cpu", plan=MatmulPlan(int_dot_all=True))
     layers = [m for m in model.modules() if isinstance(m, IntDotLinear)]
     assert layers and all(m.fallback is None for m in layers)  # each tensor held once
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -17,9 +17,12 @@ from engine_worker.model.gguf_native import load_gguf_model, unpermute_rows
 from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.loader import embedded_gguf_path, load_config, resolve_dtype
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 from engine_worker.model.weights import load_model
 from tests.engine_worker.gguf_factory import _permute, reference_state, write_gguf
+
+EXACT = MatmulPlan(use_kernel=False)  # every layer dequantizes: the file's float32 values
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [1, 504, 3458, 282, 4649, 314, 5417, 47, 2, 1116, 314]
@@ -55,7 +58,7 @@ def test_unpermute_rows_inverts_llamacpp_permute() -> None:
 def test_native_exact_mode_equals_dequantize_then_float32(tiny_gguf: tuple[Path, Path]) -> None:
     path, ref = tiny_gguf
     cfg = load_config(ref)
-    native = load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32, use_kernel=False)
+    native = load_gguf_model(path, cfg, "cpu", plan=EXACT)
     float_model = load_model(ref, torch.float32, "cpu")
     a, b = _logits(native, PROMPT), _logits(float_model, PROMPT)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -70,9 +73,9 @@ def test_native_exact_mode_equals_dequantize_then_float32(tiny_gguf: tuple[Path,
 def test_native_kernel_mode_close_to_exact(tiny_gguf: tuple[Path, Path]) -> None:
     path, ref = tiny_gguf
     cfg = load_config(ref)
-    exact = _logits(load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32,
-                                    use_kernel=False), PROMPT)
-    fast = _logits(load_gguf_model(path, cfg, "cpu", dense_min_rows=4), PROMPT)
+    exact = _logits(load_gguf_model(path, cfg, "cpu", plan=EXACT), PROMPT)
+    copy = MatmulPlan(dense_min_rows=4, head_dense_rows=4)
+    fast = _logits(load_gguf_model(path, cfg, "cpu", plan=copy), PROMPT)
     # bfloat16 scales and activations in the kernels: close, and the same greedy choices
     assert (fast - exact).abs().max() < 0.05 * exact.abs().max()
     assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
@@ -83,7 +86,8 @@ def test_int8_group_kernels_match_dequantized(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     codes = torch.randint(-127, 128, (96, 64), dtype=torch.int8, generator=g)
     scales = torch.rand(96, 2, generator=g) / 100
-    layer = Int8GroupLinear(codes, scales, dense_min_rows=4)
+    routes = MatmulPlan(head_dense_rows=4).routes("int8_groups", True)
+    layer = Int8GroupLinear(codes, scales, routes)
     x = torch.randn(rows, 64, generator=g)
     want = x @ layer.dequantize().t()
     torch.testing.assert_close(layer(x), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
@@ -104,8 +108,7 @@ def test_smollm2_native_equals_transformers_dequantized(smollm2_dir: Path) -> No
     """The embedded Q4_1 file served natively (exact mode) against transformers' own
     dequantization of it to float32 (the converted folder)."""
     cfg = load_config(smollm2_dir)
-    native = load_gguf_model(embedded_gguf_path(), cfg, "cpu", compute_dtype=torch.float32,
-                             use_kernel=False)
+    native = load_gguf_model(embedded_gguf_path(), cfg, "cpu", plan=EXACT)
     a = _logits(native, PROMPT)
     del native
     b = _logits(load_model(smollm2_dir, torch.float32, "cpu"), PROMPT)
@@ -117,7 +120,8 @@ def test_int4_dense_copy_for_many_rows_matches_packed_kernel() -> None:
     layer = Int4GroupLinear.from_float(torch.randn(64, 96, generator=g), group_size=32)
     x = torch.randn(8, 96, generator=g)
     packed = layer(x)
-    layer.keep_dense(4)
-    assert layer.dense is not None
-    torch.testing.assert_close(layer(x), packed, atol=0.05, rtol=0.02)  # 8 rows: dense copy
-    torch.testing.assert_close(layer(x[:2]), packed[:2], atol=0, rtol=0)  # 2 rows: packed
+    routes = MatmulPlan(dense_min_rows=4).routes("q4_0")  # int4 for 1-3 rows, the copy from 4
+    copy = Int4GroupLinear(layer.qweight, layer.scales_zeros, 32, None, routes,
+                           layer.dequantize().to(torch.bfloat16))
+    torch.testing.assert_close(copy(x), packed, atol=0.05, rtol=0.02)  # 8 rows: dense copy
+    torch.testing.assert_close(copy(x[:2]), packed[:2], atol=0, rtol=0)  # 2 rows: packed

@@ -15,6 +15,7 @@ from engine_worker.kernel_build import KernelUnavailable
 from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.loader import load_config
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import Int8GroupLinear, load_group_gemv
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
@@ -36,7 +37,8 @@ def _layer(n: int, k: int, seed: int, native: bool, dense_min_rows: int = 0) -> 
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     scales = torch.rand(n, k // 32, generator=g) / 50
-    return Int8GroupLinear(codes, scales, native=native, dense_min_rows=dense_min_rows)
+    plan = MatmulPlan(native_q8=native, head_dense_rows=dense_min_rows)
+    return Int8GroupLinear(codes, scales, plan.routes("int8_groups", True))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
@@ -85,7 +87,8 @@ def test_gguf_tiny_model_logits_with_kernel_within_bf16_of_torch_path(
     rows = {}
     ids = [1, 504, 3458, 282]
     for native in (False, True):  # the torch path first: its greedy tokens feed both
-        model = load_gguf_model(path, cfg, "cpu", dense_min_rows=4, native_q8=native)
+        plan = MatmulPlan(dense_min_rows=4, head_dense_rows=4, native_q8=native)
+        model = load_gguf_model(path, cfg, "cpu", plan=plan)
         assert model.lm_head.native is native  # type: ignore[union-attr]
         out = []
         with torch.inference_mode():

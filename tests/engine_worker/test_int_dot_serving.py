@@ -13,17 +13,19 @@ from engine_worker import int_dot
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.loader import embedded_gguf_path, load_config
+from engine_worker.model.matmul_plan import MatmulPlan
 from tests.engine_worker.test_gguf_native import PROMPT, _logits, tiny_gguf  # noqa: F401
 from tests.numerics import MARGIN, top2_gap
+
+EXACT = MatmulPlan(use_kernel=False)  # every layer dequantizes: the file's float32 values
 
 
 def test_few_rows_take_the_kernel_and_answer_as_the_exact_path(
         int_dot_kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
     path, ref = tiny_gguf
     cfg = load_config(ref)
-    exact = _logits(load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32,
-                                    use_kernel=False), PROMPT)
-    model = load_gguf_model(path, cfg, "cpu", int_dot_rows=16)
+    exact = _logits(load_gguf_model(path, cfg, "cpu", plan=EXACT), PROMPT)
+    model = load_gguf_model(path, cfg, "cpu", plan=MatmulPlan(int_dot_rows=16))
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down, IntDotLinear) and down.max_rows == 16
     assert isinstance(model.lm_head, IntDotLinear)
@@ -38,7 +40,7 @@ def test_few_rows_take_the_kernel_and_answer_as_the_exact_path(
 def test_more_rows_than_the_limit_take_the_fallback_exactly(
         int_dot_kernel: None, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: F811
     path, ref = tiny_gguf
-    model = load_gguf_model(path, load_config(ref), "cpu", int_dot_rows=4)
+    model = load_gguf_model(path, load_config(ref), "cpu", plan=MatmulPlan(int_dot_rows=4))
     layer = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(6, layer.in_features)  # 6 rows > 4
     torch.testing.assert_close(layer(x), layer.fallback(x), rtol=0, atol=0)
@@ -51,9 +53,8 @@ def test_more_rows_than_the_limit_take_the_fallback_exactly(
 def test_smollm2_file_greedy_through_the_kernel_equals_the_exact_path(
         int_dot_kernel: None, smollm2_dir: Path) -> None:
     path, cfg = embedded_gguf_path(), load_config(smollm2_dir)
-    exact = _logits(load_gguf_model(path, cfg, "cpu", compute_dtype=torch.float32,
-                                    use_kernel=False), PROMPT)
-    fast = _logits(load_gguf_model(path, cfg, "cpu", int_dot_rows=16), PROMPT)
+    exact = _logits(load_gguf_model(path, cfg, "cpu", plan=EXACT), PROMPT)
+    fast = _logits(load_gguf_model(path, cfg, "cpu", plan=MatmulPlan(int_dot_rows=16)), PROMPT)
     clear = top2_gap(exact) >= MARGIN
     assert clear.sum() >= 3
     assert torch.equal(fast.argmax(-1)[clear], exact.argmax(-1)[clear])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine_worker.model.int4 import Int4GroupLinear, pack_int4, unpack_int4
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant import pick_group_size, quantize_model, weight_bytes
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 from engine_worker.model.weights import load_model
@@ -201,7 +202,7 @@ def test_int8_cosine_on_smollm2_layers(smollm2_dir: Path) -> None:
 def test_group_int8_from_float_follows_q8_0() -> None:
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
     w[5, 40] = 30.0  # one outlier: only its own group of 32 gets the coarse scale
-    q = Int8GroupLinear.from_float(w, use_kernel=False)
+    q = Int8GroupLinear.from_float(w, routes=MatmulPlan(use_kernel=False).routes("int8_groups"))
     deq = q.dequantize()
     err = (deq - w).abs().view(64, 3, 32).amax(-1)  # (N, G): within half a step per group
     step = q.scales.t()  # (N, G)

@@ -29,6 +29,7 @@ def hello(**kw: object) -> m.Hello:
     {"model_id": ""}, {"model_id": "x" * 129}, {"model_id": "bad\nname"},
     {"worker_id": "a" * 65}, {"worker_id": "a b"}, {"device": "d" * 33},
     {"dtype": 'f{"x"}'}, {"protocol_version": m.PROTOCOL_VERSION + 1},
+    {"matmul_plan": "matmul plan: " + "x" * 2048}, {"matmul_plan": "matmul plan:\x1b[2J"},
 ])
 def test_a_hello_outside_the_bounds_is_refused(change: dict) -> None:
     assert check_hello(hello(**change)) is not None
@@ -36,6 +37,7 @@ def test_a_hello_outside_the_bounds_is_refused(change: dict) -> None:
 
 def test_a_plain_hello_passes() -> None:
     assert check_hello(hello()) is None
+    assert check_hello(hello(matmul_plan="matmul plan: q4_0: int_dot 1+ (flags)")) is None
 
 
 def test_a_second_worker_with_another_tokenizer_for_the_model_is_refused() -> None:
