@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.config import GatewayConfig
-from gateway.engine.link import EngineLink
+from gateway.engine.link import EngineLink, LinkSurface
 from gateway.engine.membership import Membership
 from gateway.engine.registry import ModelEntry, Registry, WorkerState
 from gateway.engine.request_handle import (
@@ -57,11 +57,14 @@ FAULT_WINDOW_S = 60.0
 class EngineClient:
     def __init__(self, address: str, heartbeat_timeout_s: float = 1.5,
                  keys: KeyPair | None = None, authorized_keys: str | None = None,
-                 routing: str = "cache_aware") -> None:
+                 routing: str = "cache_aware", link: LinkSurface | None = None) -> None:
+        """`link`: the socket (default: a ZeroMQ EngineLink at `address`; tests pass their
+        in-memory one)."""
         self.registry = Registry()
         self.router = Router(routing)
         self.requests: dict[str, RequestHandle] = {}
-        self.link = EngineLink(address, keys, authorized_keys, name_of=self._name_of)
+        self.link: LinkSurface = link if link is not None else \
+            EngineLink(address, keys, authorized_keys, name_of=self._name_of)
         self.membership = Membership(self.link, self.registry, heartbeat_timeout_s,
                                      on_lost=self._drop_worker)
         self._tasks: list[asyncio.Task] = []

@@ -6,14 +6,16 @@
     next_disconnect() ──▶ returns when some peer's connection closed (not which one)
 
 What the frames mean, and who the peers are, is gateway.engine.engine_client's and
-gateway.engine.membership's.
+gateway.engine.membership's. What they drive of the link is `LinkSurface`, met by EngineLink
+and by the tests' in-memory link (tests/gateway/fake_engine.py), and checked against both in
+tests/gateway/engine/test_link_surface.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -24,6 +26,30 @@ from protocol import codec
 from protocol.transport import KeyPair, configure_router, is_loopback
 
 log = logging.getLogger("kestrel.gateway.engine")
+
+
+class LinkSurface(Protocol):
+    """The engine link as the engine client and the membership drive it."""
+
+    def bind(self) -> None:
+        """Start listening (before the first recv)."""
+        ...
+
+    def close(self) -> None:
+        """Stop; idempotent, also for a link never bound."""
+        ...
+
+    async def recv(self) -> tuple[bytes, list[bytes]]:
+        """The next message: its sender's identity and its frames."""
+        ...
+
+    async def send(self, identity: bytes, msg: Any) -> bool:
+        """`msg` to the peer `identity`; False if it could not go (the peer gone or full)."""
+        ...
+
+    async def next_disconnect(self) -> None:
+        """Return when some peer's connection closed (not which one)."""
+        ...
 
 
 class EngineLink:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from gateway import offload
 from gateway.engine.hello import Refused, vet_hello
-from gateway.engine.link import EngineLink
+from gateway.engine.link import LinkSurface
 from gateway.engine.registry import Registry, WorkerState
 from protocol import codec
 from protocol import messages as m
@@ -32,7 +32,7 @@ REFUSAL_LOG_S = 60.0  # one log line per refused peer and reason this often; the
 
 
 class Membership:
-    def __init__(self, link: EngineLink, registry: Registry, heartbeat_timeout_s: float,
+    def __init__(self, link: LinkSurface, registry: Registry, heartbeat_timeout_s: float,
                  on_lost: Callable[[WorkerState, str], None]) -> None:
         self.link = link
         self.registry = registry

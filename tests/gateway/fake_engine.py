@@ -1,13 +1,16 @@
 """A fake engine worker behind the real EngineClient: no sockets, scripted answers.
 
 The link's own bookkeeping (registry, router, request handles, dispatch) runs for real; only the
-socket send is replaced (as tests/gateway/engine/test_engine_client.py does). A Generate is answered
-by scheduling StepOutputs frames through the client's own dispatch, as its receive loop would.
+socket is replaced, by `LoopbackLink`, an in-memory link that meets the gateway's LinkSurface
+(gateway/engine/link.py), as tests/gateway/engine/test_engine_client.py's does. A Generate is
+answered by scheduling StepOutputs frames through the client's own dispatch, as its receive loop
+would.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.engine.engine_client import EngineClient
@@ -15,6 +18,33 @@ from gateway.engine.registry import WorkerState
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
+
+
+class LoopbackLink:
+    """An engine link in memory: what the gateway sends goes to `on_send`; what a test puts in
+    `incoming` is what it receives; no peer ever disconnects."""
+
+    def __init__(self, on_send: Callable[[bytes, Any], Awaitable[bool]]) -> None:
+        self.on_send = on_send
+        self.incoming: asyncio.Queue[tuple[bytes, list[bytes]]] | None = None
+        self.bound = self.closed = False
+
+    def bind(self) -> None:
+        self.bound = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def recv(self) -> tuple[bytes, list[bytes]]:
+        if self.incoming is None:
+            self.incoming = asyncio.Queue()
+        return await self.incoming.get()
+
+    async def send(self, identity: bytes, msg: Any) -> bool:
+        return await self.on_send(identity, msg)
+
+    async def next_disconnect(self) -> None:
+        await asyncio.Event().wait()
 
 
 class FakeEngine:
@@ -32,7 +62,7 @@ class FakeEngine:
         hello = m.Hello(m.PROTOCOL_VERSION, "fake-worker", model_id, max_model_len, 65536, 8, info)
         self.worker: WorkerState = client.registry.admit(
             b"fake", hello, codec.tokenizer_digest(info), tokenizer)
-        client.link.send = self._send  # type: ignore[method-assign]
+        client.link = client.membership.link = LoopbackLink(self._send)
 
     async def _send(self, identity: bytes, msg: Any) -> bool:
         self.sent.append(msg)

@@ -20,20 +20,20 @@ from gateway.engine.engine_client import (
 )
 from protocol import codec
 from protocol import messages as m
+from tests.gateway.fake_engine import LoopbackLink
 
 TOK = m.TokenizerInfo('{"model": {}}', None, None, None, [0])
 VOCAB = 100  # the fake tokenizer's
 
 
 def client_with_workers(n: int, embedding_size: int = 0) -> tuple[EngineClient, list[Any], list]:
-    client = EngineClient("inproc://unused")
     sent: list = []
 
     async def fake_send(identity: bytes, msg: Any) -> bool:
         sent.append((identity, msg))
         return True
 
-    client.link.send = fake_send  # type: ignore[method-assign]
+    client = EngineClient("inproc://unused", link=LoopbackLink(fake_send))
     digest = codec.tokenizer_digest(TOK)
     workers = [client.registry.admit(f"w{i}".encode(), m.Hello(
         m.PROTOCOL_VERSION, f"w{i}", "tiny", 256, 4096, 8, TOK, embedding_size=embedding_size),
