@@ -2,7 +2,8 @@
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
     /v1/completions, /v1/chat/completions, /v1/embeddings,
-    /v1/generate[/stream]                                           -> gateway.api.exchange
+    /v1/generate[/stream], /v1/responses, /v1/messages, /api/chat,
+    /api/generate                                                   -> gateway.api.exchange
     /tokenize, /detokenize                                          -> gateway.api.tokenize_routes
     /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
@@ -33,7 +34,8 @@ from gateway.service import GatewayState
 # The engine's routes, by path: each one Exchange (gateway.api.exchange), told its route's name.
 ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                  "/v1/embeddings": "embeddings", "/v1/generate": "generate",
-                 "/v1/generate/stream": "generate_stream", "/v1/messages": "messages",
+                 "/v1/generate/stream": "generate_stream", "/v1/responses": "responses",
+                 "/v1/messages": "messages",
                  "/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
 
 

@@ -32,17 +32,19 @@ from gateway.api.errors import APIError
 from gateway.api.streaming import ClientGone, SSEResponse, unless_gone
 from gateway.dialects.anthropic_reply import MessagesFormatter
 from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
+from gateway.dialects.responses_reply import ResponsesFormatter
 from gateway.engine.engine_client import NoWorkerError
 from gateway.engine.on_demand import OnDemand
 from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
+from gateway.output.formatters import Formatter
 from gateway.output.generation import EngineFailure, Generation
 from gateway.prompt.intake import Draft, EngineRequest
 from gateway.service import GatewayState
 
 log = logging.getLogger("kestrel.gateway")
-# How each route renders its answer and its errors: OpenAI's, the native API's, Anthropic's,
-# Ollama's.
-FORMATTERS = {**OPENAI_FORMATTERS, "messages": MessagesFormatter,
+# How each route renders its answer and its errors: OpenAI's, the native API's, OpenAI's
+# Responses, Anthropic's, Ollama's.
+FORMATTERS = {**OPENAI_FORMATTERS, "responses": ResponsesFormatter, "messages": MessagesFormatter,
               "ollama_chat": OllamaFormatter, "ollama_generate": OllamaGenerateFormatter}
 
 
@@ -192,6 +194,7 @@ class Exchange:
 
     async def _events(self, opening: Awaitable[None] | None) -> AsyncIterator[bytes]:
         shape = FORMATTERS[self.route]  # the dialect: its framing and its error events
+        fmt: Formatter | None = None  # its error events, once it is built
         try:
             if opening is not None:
                 await opening
@@ -209,13 +212,15 @@ class Exchange:
                 self.finish = "timeout"
         except (APIError, EngineFailure) as exc:  # opening's refusals, a lost worker, ...
             self.status = exc.status
-            yield shape.frame(shape.error_chunk(exc.status, exc.message, exc.code))
+            yield shape.frame((fmt.stream_error if fmt else shape.error_chunk)(
+                exc.status, exc.message, exc.code))
         except Exception:
             # A bug, after the 200 went out: log the trace, tell the client in the stream's
             # error shape (never the trace), and still end the stream as the dialect does.
             log.exception("unhandled error in a %s stream", self.route)
             self.status = 500
-            yield shape.frame(shape.error_chunk(500, "internal server error", "internal_error"))
+            yield shape.frame((fmt.stream_error if fmt else shape.error_chunk)(
+                500, "internal server error", "internal_error"))
         finally:
             with anyio.CancelScope(shield=True):
                 await self.close()

@@ -74,6 +74,9 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
     ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
      "native generation, streamed as SSE", True),
+    ("/v1/responses", "post", INTAKE_ROUTES["responses"].schema,
+     "OpenAI's Responses API (stream: true for its SSE events); nothing is kept: "
+     "previous_response_id is refused", True),
     ("/v1/messages", "post", INTAKE_ROUTES["messages"].schema,
      "Anthropic's Messages API (stream: true for its SSE events)", True),
     ("/v1/messages/count_tokens", "post", CountTokensRequest,

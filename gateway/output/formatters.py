@@ -49,6 +49,12 @@ class Formatter:
         """An error answered before the stream or the JSON: its status and body."""
         return status, error_body(status, message, param, code)
 
+    def stream_error(self, status: int, message: str, code: str | None = None
+                     ) -> dict[str, Any]:
+        """An error event of this formatter's stream, once it began (a dialect that numbers its
+        events gives the error its place)."""
+        return self.error_chunk(status, message, code)
+
     def __init__(self, req: EngineRequest, gen: Generation) -> None:
         self.body = req.body
         self.model = req.model

@@ -39,7 +39,7 @@ from gateway.api.schemas import (
     check_limits,
 )
 from gateway.config import GatewayConfig
-from gateway.dialects import anthropic, ollama
+from gateway.dialects import anthropic, ollama, responses
 from gateway.engine.engine_client import EngineClient, ModelEntry
 from gateway.prompt.structured import request_grammar
 from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
@@ -69,6 +69,8 @@ ROUTES: dict[str, Route] = {
     "generate": Route(GenerateRequest, stream=False),
     "generate_stream": Route(GenerateRequest, stream=True),
     "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
+    "responses": Route(responses.ResponsesRequest, default_max_tokens=None,
+                       parse=responses.parse),
     "messages": Route(anthropic.MessagesRequest, default_max_tokens=None,
                       parse=partial(anthropic.parse, anthropic.MessagesRequest)),
     "ollama_chat": Route(ollama.OllamaChatRequest, default_max_tokens=None,

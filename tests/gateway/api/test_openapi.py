@@ -31,7 +31,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 MODELS = {"completions": "CompletionRequest", "chat": "ChatCompletionRequest",
-          "generate": "GenerateRequest"}
+          "generate": "GenerateRequest", "responses": "ResponsesRequest"}
+FUNCTION = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"][
+    "parameters"]}]
+JSON = {"format": {"type": "json_object"}}
 
 
 @pytest.fixture
@@ -142,6 +145,17 @@ OK, REFUSED = True, False
     ("chat", {"messages": CHAT, "tool_choice": "none"}, OK),
     ("chat", {"messages": CHAT, "tools": TOOLS, "guided_regex": "a"}, REFUSED),
     ("chat", {"messages": CHAT, "tools": TOOLS, "tool_choice": "none", "guided_regex": "a"}, OK),
+    ("responses", {"input": "hi"}, OK),
+    ("responses", {"input": ""}, REFUSED),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": ""}]}]},
+     REFUSED),
+    ("responses", {"input": "hi", "max_output_tokens": 101}, REFUSED),
+    ("responses", {"input": "hi", "tool_choice": "required"}, REFUSED),
+    ("responses", {"input": "hi", "tool_choice": "auto"}, OK),
+    ("responses", {"input": "hi", "tools": FUNCTION, "text": JSON}, REFUSED),
+    ("responses", {"input": "hi", "tools": FUNCTION, "tool_choice": "none", "text": JSON}, OK),
+    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, REFUSED),
+    ("responses", {"input": "hi", "store": True}, OK),
     ("generate", {"prompt": "hi", "max_new_tokens": 3}, OK),
     ("generate", {"prompt": ""}, REFUSED),
     ("generate", {"prompt": "hi", "max_new_tokens": 101}, REFUSED),
