@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +33,106 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Forked:
+    """Popen's surface (pid, args, returncode, poll, wait, send_signal, terminate, kill) for a
+    process forked by the zygote (tests/zygote.py), which reaps it and writes its exit status
+    beside its log."""
+
+    def __init__(self, pid: int, args: list[str], rc_path: Path) -> None:
+        self.pid, self.args, self.rc_path = pid, args, rc_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.rc_path.exists():
+            self.returncode = int(self.rc_path.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The session's preloaded parent of `module`'s processes (tests/zygote.py), started at the
+    first one; None where it cannot start (then they start as ordinary processes).
+    KESTREL_TEST_ZYGOTE=0 turns it off."""
+
+    _started: dict[str, Zygote | None] = {}
+
+    def __init__(self, module: str) -> None:
+        self.path = tempfile.mkdtemp(prefix="kestrel-zygote-") + "/sock"
+        self.log = open(Path(self.path).with_suffix(".log"), "ab")
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.path, module],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.log, cwd=ROOT, env=self.env)
+        assert self.popen.stdout is not None
+        if self.popen.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the zygote did not start")
+
+    @classmethod
+    def get(cls, module: str) -> Zygote | None:
+        if module not in cls._started and os.environ.get("KESTREL_TEST_ZYGOTE") != "0":
+            try:
+                cls._started[module] = Zygote(module)
+            except (OSError, RuntimeError):
+                cls._started[module] = None
+        return cls._started.get(module)
+
+    def accepts(self, env: dict[str, str]) -> bool:
+        from tests.zygote import import_time_env
+
+        return import_time_env(env) == import_time_env(self.env)
+
+    def spawn(self, args: list[str], env: dict[str, str], log_path: Path) -> Forked:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(self.path)
+            s.sendall(json.dumps({"args": args, "env": env, "cwd": str(ROOT),
+                                  "log": str(log_path)}).encode() + b"\n")
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    raise RuntimeError("the zygote closed the connection")
+                reply += chunk
+        return Forked(json.loads(reply)["pid"], args, Path(f"{log_path}.rc"))
+
+
 class Proc:
     name = "proc"
+    module = ""  # `python -m` module a zygote may fork instead of starting (tests/zygote.py)
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = Path(tempfile.mkstemp(prefix=f"kestrel-{self.name}-", suffix=".log")[1])
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen | Forked | None = None
 
     def start(self) -> Proc:
         self._log = open(self.log_path, "ab")
+        zygote = Zygote.get(self.module) if self.module and self.args[:3] == [
+            sys.executable, "-m", self.module] else None
+        if zygote is not None and zygote.accepts(self.env):
+            self.popen = zygote.spawn(self.args[3:], self.env, self.log_path)
+            return self
         self.popen = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=self._log,
                                       stderr=subprocess.STDOUT)
         return self
@@ -101,6 +191,7 @@ class Proc:
 
 class GatewayProc(Proc):
     name = "gateway"
+    module = "gateway.main"
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None,
                  python: str = sys.executable) -> None:
@@ -142,6 +233,7 @@ class GatewayProc(Proc):
 
 class WorkerProc(Proc):
     name = "worker"
+    module = "engine_worker.main"
 
     def __init__(self, model: str | Path, gateway_address: str, *flags: str,
                  env: dict[str, str] | None = None) -> None:
@@ -192,6 +284,23 @@ class throttled:  # noqa: N801 (a context manager, named for what the process is
         self._done.set()
         self._thread.join()
         os.kill(self.pid, signal.SIGCONT)
+
+
+def read_then_leave(gw: GatewayProc, path: str, body: dict[str, Any],
+                    enough: Callable[[bytes], bool]) -> bytes:
+    """POST `body` on a raw connection, read the streamed answer until `enough` of it came
+    (each read of a 200), then close the connection: a client that goes away mid-stream.
+    What it read."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+        got = b""
+        while not enough(got):
+            chunk = s.recv(4096)
+            assert chunk and b" 200 OK" in got + chunk, got + chunk
+            got += chunk
+    return got
 
 
 def wait_outstanding_zero(gw: GatewayProc, timeout: float = 10) -> int:

@@ -52,6 +52,7 @@ def test_a_gguf_with_a_short_embedding_is_refused_in_one_line(cache_dir: Path) -
     with GatewayProc() as gw, WorkerProc(bad, gw.engine_address) as wk:
         assert wk.popen is not None
         assert wk.popen.wait(timeout=300) == 2
+        gw.wait_live()  # a refusal may come before the gateway listens
         assert httpx.get(gw.base_url + "/health/ready", timeout=5).status_code == 503
     msg = wk.only_error()
     assert msg.startswith("model refused:") and "token_embd.weight" in msg

@@ -29,6 +29,7 @@ def test_a_worker_whose_hello_is_over_the_limit_exits_in_one_line(tiny_model_dir
     with GatewayProc() as gw, WorkerProc(model, gw.engine_address, "--threads", "1") as wk:
         assert wk.popen is not None
         assert wk.popen.wait(timeout=120) == 2
+        gw.wait_live()  # a refusal may come before the gateway listens
         assert httpx.get(gw.base_url + "/health/ready", timeout=5).status_code == 503
     msg = wk.only_error()
     assert msg.startswith("model refused: the Hello is") and "frame limit of 16 MiB" in msg, msg
