@@ -30,6 +30,13 @@ def sse_event(payload: Any) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def sse_typed_event(chunk: dict[str, Any]) -> bytes:
+    """An event named by its own `type` (`event: <type>`), as Anthropic's and OpenAI's
+    Responses streams frame theirs."""
+    data = json.dumps(chunk, separators=(",", ":"))
+    return f"event: {chunk['type']}\ndata: {data}\n\n".encode()
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()

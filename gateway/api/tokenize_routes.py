@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import offload
 from gateway.api.body import read_json
-from gateway.api.errors import APIError, too_many_requests
+from gateway.api.errors import APIError, too_many_requests, validated
 from gateway.api.schemas import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -29,7 +29,6 @@ from gateway.api.schemas import (
     TokenizeRequest,
 )
 from gateway.dialects import anthropic
-from gateway.prompt.intake import parse_body
 from gateway.prompt.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ async def _body(request: Request, schema: type[RequestBase]) -> tuple[GatewaySta
     state.auth.guard(request)
     data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
                            state.intake.readers)
-    body = parse_body(schema, data)
+    body = validated(schema, data)
     if state.models_on_demand is not None:  # the tokenizer comes with the model's worker
         await state.models_on_demand.ensure(body.model, None)
     return state, body

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.errors import APIError, validation_error
+from gateway.api.errors import APIError, validated
 from gateway.api.output_schemas import FUNCTION_NAME
 from gateway.api.schemas import (
     MAX_STOP,
@@ -163,16 +163,8 @@ def refuse_unsupported(data: Any) -> None:
 def parse(schema: type[MessagesRequest], data: Any) -> ChatCompletionRequest:
     """The body, validated in Anthropic's terms, as the chat request it asks for."""
     refuse_unsupported(data)
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_value")
-    try:
-        body = schema.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    try:
-        return ChatCompletionRequest.model_validate(to_chat(body))
-    except ValidationError as exc:  # a bound of the chat route's (the prompt's size, ...)
-        raise validation_error(exc) from None
+    body = validated(schema, data, not_object=400)
+    return validated(ChatCompletionRequest, to_chat(body))  # the chat route's bounds too
 
 
 def _text(content: str | list[AnthropicTextBlock]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.api.streaming import sse_typed_event
 from gateway.dialects.anthropic import error_body, error_status
 from gateway.output.formatters import ChatFormatter, Formatter
 from gateway.output.generation import ChoiceEvent, Generation
@@ -33,10 +34,7 @@ class MessagesFormatter(Formatter):
         self.blocks = 0  # blocks opened so far in a stream
         self.ended = False
 
-    @staticmethod
-    def frame(chunk: dict[str, Any]) -> bytes:
-        data = json.dumps(chunk, separators=(",", ":"))
-        return f"event: {chunk['type']}\ndata: {data}\n\n".encode()
+    frame = staticmethod(sse_typed_event)
 
     @classmethod
     def error_shape(cls, status: int, message: str, param: str | None,

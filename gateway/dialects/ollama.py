@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.api.errors import APIError, validation_error
+from gateway.api.errors import validated
 from gateway.api.output_schemas import Tool
 from gateway.api.schemas import (
     MAX_STOP,
@@ -120,7 +120,7 @@ class OllamaGenerateRequest(_Request):
 
 
 def parse_chat(data: Any) -> ChatCompletionRequest:
-    body = _validated(OllamaChatRequest, data)
+    body = validated(OllamaChatRequest, data, not_object=400)
     messages: list[dict[str, Any]] = []
     calls_made: list[dict[str, Any]] = []  # the assistant's calls, answered by the tool turns
     for msg in body.messages:
@@ -145,23 +145,23 @@ def parse_chat(data: Any) -> ChatCompletionRequest:
                             **_common(body)}
     if body.tools:
         chat["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-    return _checked(ChatCompletionRequest, chat)
+    return validated(ChatCompletionRequest, chat)
 
 
 def parse_generate(data: Any) -> ChatCompletionRequest | CompletionRequest:
-    body = _validated(OllamaGenerateRequest, data)
+    body = validated(OllamaGenerateRequest, data, not_object=400)
     if body.raw:  # the prompt as it is, no template
         out: dict[str, Any] = {"model": body.model, "prompt": body.prompt,
                                **_common(body)}
         if body.suffix:
             out["suffix"] = body.suffix
-        return _checked(CompletionRequest, out)
+        return validated(CompletionRequest, out)
     if body.suffix:  # fill in the middle is a raw completion here
-        return _checked(CompletionRequest, {"model": body.model, "prompt": body.prompt,
+        return validated(CompletionRequest, {"model": body.model, "prompt": body.prompt,
                                             "suffix": body.suffix, **_common(body)})
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
         {"role": "user", "content": body.prompt}]
-    return _checked(ChatCompletionRequest, {"model": body.model, "messages": messages,
+    return validated(ChatCompletionRequest, {"model": body.model, "messages": messages,
                                             **_common(body)})
 
 
@@ -180,19 +180,3 @@ def _common(body: _Request) -> dict[str, Any]:
         out["response_format"] = {"type": "json_schema",
                                   "json_schema": {"name": "response", "schema": body.format}}
     return out
-
-
-def _validated(schema: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_value")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
-def _checked(schema: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return schema.model_validate(body)
-    except ValidationError as exc:  # a bound of the route's own
-        raise validation_error(exc) from None

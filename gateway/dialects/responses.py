@@ -29,10 +29,9 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
 )
 
-from gateway.api.errors import APIError, validation_error
+from gateway.api.errors import APIError, validated
 from gateway.api.output_schemas import FUNCTION_NAME
 from gateway.api.request_rules import TOOL_PLAN
 from gateway.api.schemas import (
@@ -257,16 +256,9 @@ def _unsupported(param: str, why: str) -> APIError:
 def parse(data: Any) -> ResponsesChatRequest:
     """The body, validated in the Responses API's terms, as the chat request it asks for."""
     refuse_unsupported(data)
-    if not isinstance(data, dict):
-        raise APIError(422, "the body must be a JSON object", code="invalid_value")
-    try:
-        body = ResponsesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    try:
-        return ResponsesChatRequest.model_validate({**to_chat(body), "responses": body})
-    except ValidationError as exc:  # a bound of the chat route's (the prompt's size, ...)
-        raise validation_error(exc) from None
+    body = validated(ResponsesRequest, data)
+    # the chat route's bounds too (the prompt's size, ...)
+    return validated(ResponsesChatRequest, {**to_chat(body), "responses": body})
 
 
 def chat_param(param: str | None) -> str | None:

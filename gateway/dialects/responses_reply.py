@@ -20,10 +20,10 @@ object, so the openai SDK raises it as it does a chat stream's.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from gateway.api.errors import error_body
+from gateway.api.streaming import sse_typed_event
 from gateway.dialects.responses import ResponsesRequest, chat_param
 from gateway.output.formatters import ChatFormatter, Formatter
 from gateway.output.generation import ChoiceEvent, Generation
@@ -48,10 +48,7 @@ class ResponsesFormatter(Formatter):
         self.logprobs: list[dict[str, Any]] = []  # the open message's, as they came
         self.ended = False
 
-    @staticmethod
-    def frame(chunk: dict[str, Any]) -> bytes:
-        data = json.dumps(chunk, separators=(",", ":"))
-        return f"event: {chunk['type']}\ndata: {data}\n\n".encode()
+    frame = staticmethod(sse_typed_event)
 
     @classmethod
     def error_shape(cls, status: int, message: str, param: str | None,

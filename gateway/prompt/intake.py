@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.requests import Request
 
 from gateway import offload
 from gateway.admission.tenancy import cache_salt
 from gateway.api.body import Readers, read_json
-from gateway.api.errors import APIError, too_many_requests, validation_error
+from gateway.api.errors import APIError, too_many_requests, validated
 from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -121,12 +120,8 @@ class EngineRequest:
 
 
 def parse_body(schema: type[RequestBase], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise APIError(422, "the body must be a JSON object", code="invalid_value")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    """An OpenAI route's body (a dialect's goes through its own `parse`)."""
+    return validated(schema, data)
 
 
 class Intake:

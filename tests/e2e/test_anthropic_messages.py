@@ -8,14 +8,12 @@ is asked for through `extra_body`, which the route accepts as Anthropic's API do
 
 from __future__ import annotations
 
-import socket
-
 import anthropic
 import httpx
 import pytest
 
 from tests.conftest import QWEN_MODEL
-from tests.procs import GatewayProc, WorkerProc, wait_outstanding_zero
+from tests.procs import GatewayProc, WorkerProc, read_then_leave, wait_outstanding_zero
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0}
@@ -95,16 +93,10 @@ def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic,
 def test_a_stream_cut_by_its_client_frees_its_place(
         smollm_server: tuple[GatewayProc, WorkerProc]) -> None:
     gw, _ = smollm_server
-    body = (b'{"model": "%s", "max_tokens": 1000, "stream": true, "messages": '
-            b'[{"role": "user", "content": "Write a long story."}]}' % MODEL.encode())
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
-        s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while b"content_block_delta" not in got:
-            chunk = s.recv(4096)
-            assert chunk and b" 200 OK" in got + chunk, got + chunk
-            got += chunk
+    read_then_leave(gw, "/v1/messages", {
+        "model": MODEL, "max_tokens": 1000, "stream": True,
+        "messages": [{"role": "user", "content": "Write a long story."}]},
+        lambda got: b"content_block_delta" in got)
     assert wait_outstanding_zero(gw) == 0
     metrics = gw.metrics()
     assert 'kestrel_requests_total{finish_reason="aborted",route="messages",status="200"}' \

@@ -5,14 +5,13 @@ Qwen2.5-Coder-0.5B (skipped when its GGUF is not in the cache, as tests/conftest
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import ollama
 import pytest
 
 from tests.conftest import QWEN_MODEL
-from tests.procs import GatewayProc, WorkerProc, wait_outstanding_zero
+from tests.procs import GatewayProc, WorkerProc, read_then_leave, wait_outstanding_zero
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0, "num_predict": 40}
@@ -76,17 +75,11 @@ def test_errors_come_in_ollamas_shape(client: ollama.Client,
 def test_a_stream_cut_by_its_client_frees_its_place(
         smollm_server: tuple[GatewayProc, WorkerProc]) -> None:
     gw, _ = smollm_server
-    body = json.dumps({"model": MODEL, "options": {"num_predict": 1000},
-                       "messages": [{"role": "user", "content": "Write a long story."}]}).encode()
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
-        s.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while got.count(b'"done":false') < 2:
-            chunk = s.recv(4096)
-            assert chunk and b" 200 OK" in got + chunk, got + chunk
-            got += chunk
-        assert b"application/x-ndjson" in got
+    got = read_then_leave(gw, "/api/chat", {
+        "model": MODEL, "options": {"num_predict": 1000},
+        "messages": [{"role": "user", "content": "Write a long story."}]},
+        lambda got: got.count(b'"done":false') >= 2)
+    assert b"application/x-ndjson" in got
     assert wait_outstanding_zero(gw) == 0
     assert 'finish_reason="aborted",route="ollama_chat",status="200"' in gw.metrics()
 

@@ -6,15 +6,13 @@ out of its order, or an item it cannot match, fails here."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel
 
 from tests.conftest import QWEN_MODEL
-from tests.procs import GatewayProc, WorkerProc, wait_outstanding_zero
+from tests.procs import GatewayProc, WorkerProc, read_then_leave, wait_outstanding_zero
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is 2+2?"
@@ -141,16 +139,9 @@ def test_refusals_are_400s_in_openais_shape(client: openai.OpenAI,
 def test_a_stream_cut_by_its_client_frees_its_place(
         smollm_server: tuple[GatewayProc, WorkerProc]) -> None:
     gw, _ = smollm_server
-    body = (b'{"model": "%s", "max_output_tokens": 1000, "stream": true, '
-            b'"input": "Write a long story."}' % MODEL.encode())
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
-        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while b"response.output_text.delta" not in got:
-            chunk = s.recv(4096)
-            assert chunk and b" 200 OK" in got + chunk, got + chunk
-            got += chunk
+    read_then_leave(gw, "/v1/responses", {
+        "model": MODEL, "max_output_tokens": 1000, "stream": True,
+        "input": "Write a long story."}, lambda got: b"response.output_text.delta" in got)
     assert wait_outstanding_zero(gw) == 0
     metrics = gw.metrics()
     assert 'kestrel_requests_total{finish_reason="aborted",route="responses",status="200"}' \

@@ -10,12 +10,18 @@ would.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.api.exchange import FORMATTERS
+from gateway.api.schemas import ChatCompletionRequest
 from gateway.engine.engine_client import EngineClient
 from gateway.engine.registry import WorkerState
+from gateway.output.generation import Generation
+from gateway.prompt.intake import ROUTES, EngineRequest
 from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.prompt.tools import ToolPlan
 from protocol import codec
 from protocol import messages as m
 
@@ -80,3 +86,49 @@ class FakeEngine:
                 gen.request_id, index, [token], self.finish_reason if last else None,
                 prompt_tokens=len(gen.prompt_token_ids), completion_tokens=k + 1,
                 since_scheduled_s=0.001 if k == 0 else None) for index in range(gen.params.n)]))
+
+
+def answered(route: str, body: dict[str, Any], info: m.TokenizerInfo, tok: GatewayTokenizer,
+             answer: str, finish: str = "stop", prompt: str = "Hi", **params: Any
+             ) -> tuple[Any, list[Any]]:
+    """The formatter of `route` (the exchange's, any dialect's) for `body`, which the fake
+    engine answers with `answer`, one token a frame; and the ChoiceEvents its Generation gave.
+    `params`: the SamplingParams (max_tokens: the body's, else 64)."""
+    spec = ROUTES[route]
+    parsed = spec.parse(body) if spec.parse else spec.schema.model_validate(body)
+    plan = ToolPlan.from_request(parsed) if isinstance(parsed, ChatCompletionRequest) else None
+    params.setdefault("max_tokens", getattr(parsed, "max_tokens", None) or 64)
+
+    async def go() -> tuple[Any, list[Any]]:
+        client = EngineClient("inproc://unused")
+        engine = FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)),
+                            finish_reason=finish)
+        now = time.monotonic()
+        req = EngineRequest(route, parsed, now, now + 30,
+                            parsed.stream if spec.stream is None else spec.stream,
+                            client.models["tiny"], tok.encode(prompt),
+                            m.SamplingParams(**params), parsed.stop_list(), tool_plan=plan)
+        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop, req.deadline,
+                         req.arrival, request_id="rid-1")
+        await gen.start()
+        events = [event async for event in gen.events()]
+        assert engine.sent and isinstance(engine.sent[0], m.Generate)
+        client.link.close()
+        return FORMATTERS[route](req, gen), events
+
+    return asyncio.run(go())
+
+
+def whole(fmt: Any, events: list[Any]) -> dict[str, Any]:
+    """The formatter's answer to a request not streamed."""
+    for event in events:
+        fmt.add(event)
+    return fmt.response()
+
+
+def streamed(fmt: Any, events: list[Any]) -> list[dict[str, Any]]:
+    """The formatter's stream, every event of it."""
+    chunks = fmt.stream_start()
+    for event in events:
+        chunks += fmt.stream_event(event)
+    return chunks + fmt.stream_end()

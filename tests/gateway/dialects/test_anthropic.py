@@ -4,9 +4,7 @@ Anthropic's message and its stream events."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
@@ -14,13 +12,10 @@ import pytest
 from gateway.api.errors import APIError
 from gateway.dialects import anthropic
 from gateway.dialects.anthropic_reply import MessagesFormatter
-from gateway.engine.engine_client import EngineClient
-from gateway.output.generation import Generation
-from gateway.prompt.intake import ROUTES, EngineRequest
+from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
-from gateway.prompt.tools import ToolPlan
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import answered, streamed, whole
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -124,35 +119,7 @@ def test_a_body_anthropic_would_refuse_is_refused_and_max_tokens_is_required() -
 def reply(body: dict[str, Any], answer: str, info: m.TokenizerInfo, tok: GatewayTokenizer,
           finish: str = "stop") -> tuple[MessagesFormatter, list[Any]]:
     """The Messages formatter of a request the fake engine answers with `answer`."""
-    async def go() -> tuple[MessagesFormatter, list[Any]]:
-        client = EngineClient("inproc://unused")
-        FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)), finish_reason=finish)
-        chat = ROUTES["messages"].parse(body)  # type: ignore[misc]
-        now = time.monotonic()
-        req = EngineRequest("messages", chat, now, now + 30, chat.stream, client.models["tiny"],
-                            tok.encode("Hi"), m.SamplingParams(max_tokens=chat.max_tokens),
-                            chat.stop_list(), tool_plan=ToolPlan.from_request(chat))
-        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop, req.deadline,
-                         req.arrival, request_id="rid-1")
-        await gen.start()
-        events = [event async for event in gen.events()]
-        client.link.close()
-        return MessagesFormatter(req, gen), events
-
-    return asyncio.run(go())
-
-
-def whole(fmt: MessagesFormatter, events: list[Any]) -> dict[str, Any]:
-    for event in events:
-        fmt.add(event)
-    return fmt.response()
-
-
-def streamed(fmt: MessagesFormatter, events: list[Any]) -> list[dict[str, Any]]:
-    chunks = fmt.stream_start()
-    for event in events:
-        chunks += fmt.stream_event(event)
-    return chunks + fmt.stream_end()
+    return answered("messages", body, info, tok, answer, finish)
 
 
 def test_a_reply_and_its_stream_say_the_same_in_anthropics_shapes(

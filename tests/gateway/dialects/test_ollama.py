@@ -4,23 +4,18 @@ and as JSON lines."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
 
 from gateway.api.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
-from gateway.engine.engine_client import EngineClient
-from gateway.output.generation import Generation
-from gateway.prompt.intake import ROUTES, EngineRequest
+from gateway.dialects.ollama_reply import OllamaFormatter
+from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
-from gateway.prompt.tools import ToolPlan
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import answered, streamed, whole
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -84,38 +79,11 @@ def test_a_bad_chat_body_is_refused_with_a_422(body: dict[str, Any]) -> None:
 
 def reply(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
           tok: GatewayTokenizer, finish: str = "stop") -> tuple[Any, list[Any]]:
-    async def go() -> tuple[Any, list[Any]]:
-        client = EngineClient("inproc://unused")
-        FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)), finish_reason=finish)
-        parsed = ROUTES[route].parse(body)  # type: ignore[misc]
-        now = time.monotonic()
-        plan = (ToolPlan.from_request(parsed) if isinstance(parsed, ChatCompletionRequest)
-                else None)
-        req = EngineRequest(route, parsed, now, now + 30, parsed.stream, client.models["tiny"],
-                            tok.encode("Hi"), m.SamplingParams(max_tokens=64),
-                            parsed.stop_list(), tool_plan=plan)
-        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop, req.deadline,
-                         req.arrival, request_id="rid-1")
-        await gen.start()
-        events = [event async for event in gen.events()]
-        client.link.close()
-        cls = OllamaFormatter if route == "ollama_chat" else OllamaGenerateFormatter
-        return cls(req, gen), events
-
-    return asyncio.run(go())
-
-
-def whole(fmt: Any, events: list[Any]) -> dict[str, Any]:
-    for event in events:
-        fmt.add(event)
-    return fmt.response()
+    return answered(route, body, info, tok, answer, finish, max_tokens=64)
 
 
 def lines(fmt: Any, events: list[Any]) -> list[dict[str, Any]]:
-    out = fmt.stream_start()
-    for event in events:
-        out += fmt.stream_event(event)
-    return out + fmt.stream_end()
+    return streamed(fmt, events)
 
 
 def test_a_chat_answer_and_its_lines_say_the_same(smollm2_info: m.TokenizerInfo,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
@@ -21,13 +20,10 @@ from gateway.api.app import create_app
 from gateway.api.errors import APIError
 from gateway.config import GatewayConfig
 from gateway.dialects.responses_reply import ResponsesFormatter
-from gateway.engine.engine_client import EngineClient
-from gateway.output.generation import Generation
-from gateway.prompt.intake import ROUTES, EngineRequest
+from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
-from gateway.prompt.tools import ToolPlan
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import FakeEngine, answered, streamed, whole
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -196,36 +192,7 @@ def test_errors_keep_openais_shape_with_the_dialects_field_names() -> None:
 def reply(body: dict[str, Any], answer: str, info: m.TokenizerInfo, tok: GatewayTokenizer,
           finish: str = "stop") -> tuple[ResponsesFormatter, list[Any]]:
     """The Responses formatter of a request the fake engine answers with `answer`."""
-    async def go() -> tuple[ResponsesFormatter, list[Any]]:
-        client = EngineClient("inproc://unused")
-        FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)), finish_reason=finish)
-        chat = ROUTES["responses"].parse(body)  # type: ignore[misc]
-        now = time.monotonic()
-        req = EngineRequest("responses", chat, now, now + 30, chat.stream,
-                            client.models["tiny"], tok.encode("Hi"),
-                            m.SamplingParams(max_tokens=chat.max_tokens or 64),
-                            chat.stop_list(), tool_plan=ToolPlan.from_request(chat))
-        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop, req.deadline,
-                         req.arrival, request_id="rid-1")
-        await gen.start()
-        events = [event async for event in gen.events()]
-        client.link.close()
-        return ResponsesFormatter(req, gen), events
-
-    return asyncio.run(go())
-
-
-def whole(fmt: ResponsesFormatter, events: list[Any]) -> dict[str, Any]:
-    for event in events:
-        fmt.add(event)
-    return fmt.response()
-
-
-def streamed(fmt: ResponsesFormatter, events: list[Any]) -> list[dict[str, Any]]:
-    chunks = fmt.stream_start()
-    for event in events:
-        chunks += fmt.stream_event(event)
-    return chunks + fmt.stream_end()
+    return answered("responses", body, info, tok, answer, finish)
 
 
 def sdk_final(events: list[dict[str, Any]], tools: list[dict] | None = None) -> Any:

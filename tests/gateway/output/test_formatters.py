@@ -4,34 +4,18 @@ queue."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
 
 import pytest
 
-from gateway.engine.engine_client import EngineClient
-from gateway.output.formatters import FORMATTERS
-from gateway.output.generation import ChoiceEvent, Generation
-from gateway.prompt.intake import ROUTES, EngineRequest
+from gateway.output.generation import ChoiceEvent
 from gateway.prompt.tokenizer import GatewayTokenizer
-from gateway.prompt.tools import ToolPlan
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import answered, streamed, whole
 
 PROMPT = "What is the capital of France?"
-
-
-def engine_request(route: str, body: dict[str, Any], model: Any, prompt_ids: list[int],
-                   **params: Any) -> EngineRequest:
-    parsed = ROUTES[route].schema.model_validate(body)
-    plan = ToolPlan.from_request(parsed) if route == "chat" else None
-    stream = ROUTES[route].stream
-    now = time.monotonic()
-    return EngineRequest(route, parsed, now, now + 30, parsed.stream if stream is None else stream,
-                         model, prompt_ids, m.SamplingParams(**params), parsed.stop_list(),
-                         tool_plan=plan)
 
 
 Rendered = tuple[Any, list[ChoiceEvent]]
@@ -42,34 +26,10 @@ def run(route: str, body: dict[str, Any], answer: str, info: m.TokenizerInfo,
     """A formatter for a request the fake engine answers with `answer`, one token a frame,
     and the ChoiceEvents its Generation produced."""
     params.setdefault("max_tokens", 256)  # room for every answer (the gateway counts them)
-
-    async def go() -> Rendered:
-        client = EngineClient("inproc://unused")
-        engine = FakeEngine(client, info, tok, tokens=tuple(tok.encode(answer)),
-                            finish_reason=finish)
-        req = engine_request(route, body, client.models["tiny"], tok.encode(PROMPT), **params)
-        gen = Generation(client, req.model, req.prompt_ids, req.params, req.stop,
-                         req.deadline, req.arrival, request_id="rid-1")
-        await gen.start()
-        events = [event async for event in gen.events()]
-        assert engine.sent and isinstance(engine.sent[0], m.Generate)
-        client.link.close()
-        return FORMATTERS[route](req, gen), events
-
-    return asyncio.run(go())
+    return answered(route, body, info, tok, answer, finish, prompt=PROMPT, **params)
 
 
-def collect(fmt: Any, events: list[ChoiceEvent]) -> dict[str, Any]:
-    for event in events:
-        fmt.add(event)
-    return fmt.response()
-
-
-def stream(fmt: Any, events: list[ChoiceEvent]) -> list[dict[str, Any]]:
-    chunks = fmt.stream_start()
-    for event in events:
-        chunks += fmt.stream_event(event)
-    return chunks + fmt.stream_end()
+collect, stream = whole, streamed
 
 
 def test_chat_response_and_its_stream_say_the_same(smollm2_info: m.TokenizerInfo,
