@@ -214,7 +214,10 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_0(
                                   json=long_body(2, stream=False))
                 took = time.monotonic() - start
                 ready = status(gw, "/health/ready")
-            except httpx.ConnectError:  # only once the streams' last tokens have gone out
+            except (httpx.ConnectError, httpx.ReadError):
+                # only once the streams' last tokens have gone out: the port closes as the drain
+                # ends (a connection made at that moment is reset, not answered; each stream
+                # is checked below to have finished whole)
                 break
             assert resp.status_code == 503, resp.text
             assert took < 1.0
