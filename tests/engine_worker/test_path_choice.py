@@ -140,9 +140,12 @@ def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
     if runner.paths.int_dot_rows:  # the integer-dot kernel up to its rows, over the packed path
         assert isinstance(layer, IntDotLinear) and layer.max_rows == runner.paths.int_dot_rows
         layer = layer.fallback
-    want = runner.paths.dense_min_rows
-    copy = [r.upto for r in layer.routes if r.path != "dense"][-1] + 1 if want else 0
-    assert copy == want and (layer.dense is not None) == bool(want)
+    # the copy from its measured row count, or from the first row past the integer-dot kernel
+    want = runner.paths.dense_min_rows and max(runner.paths.dense_min_rows,
+                                               runner.paths.int_dot_rows + 1)
+    routes = runner.plan.routes("q4_1")  # this file's layers
+    starts = {r.path: routes[i - 1].upto + 1 if i else 1 for i, r in enumerate(routes)}
+    assert starts.get("dense", 0) == want and (layer.dense is not None) == bool(want)
     if want:
         assert layer.dense.dtype == getattr(torch, runner.paths.dense_dtype)
     logits = runner.execute([StepItem(list(range(1, 40)), 0, [0, 1, 2])])
