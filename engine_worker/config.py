@@ -26,6 +26,12 @@ def check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, not {value!r}")
 
 
+def check_choices(settings: object, choices: dict[str, tuple[object, ...]]) -> None:
+    """check_choice for each field named in `choices`."""
+    for name, allowed in choices.items():
+        check_choice(name, getattr(settings, name), allowed)
+
+
 def default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "kestrel")
 
@@ -138,14 +144,11 @@ class WorkerConfig:
                                     for a in addresses):
             raise ValueError("gateway_address must be ZeroMQ addresses (comma-separated for a "
                              f"gateway's several API servers): {self.gateway_address!r}")
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("quantization", self.quantization, QUANTIZATIONS)
-        check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
-        check_choice("decode_stack", self.decode_stack, DECODE_STACK_MODES)
-        check_choice("compile", self.compile, COMPILE_MODES)
-        check_choice("quant_group_size", self.quant_group_size, QUANT_GROUP_SIZES)
-        check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
-        check_choice("pooling", self.pooling, POOLINGS)
+        check_choices(self, {"dtype": DTYPES, "quantization": QUANTIZATIONS,
+                             "paged_attention": PAGED_ATTENTION_MODES,
+                             "decode_stack": DECODE_STACK_MODES, "compile": COMPILE_MODES,
+                             "quant_group_size": QUANT_GROUP_SIZES,
+                             "speculative_method": SPECULATIVE_METHODS, "pooling": POOLINGS})
         positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) <= 0:

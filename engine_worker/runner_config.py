@@ -23,7 +23,7 @@ from engine_worker.config import (
     QUANTIZATIONS,
     WorkerConfig,
     cache_dir_from_env,
-    check_choice,
+    check_choices,
 )
 from engine_worker.memory_budget import kv_budget_bytes
 
@@ -65,12 +65,10 @@ class RunnerConfig:
     draft_kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, RUN_DTYPES)
-        check_choice("quantization", self.quantization, QUANTIZATIONS)
-        check_choice("group_size", self.group_size, QUANT_GROUP_SIZES)
-        check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
-        check_choice("paged_attention", self.paged_attention, PAGED_ATTENTION_MODES)
-        check_choice("decode_stack", self.decode_stack, DECODE_STACK_MODES)
+        check_choices(self, {"dtype": RUN_DTYPES, "quantization": QUANTIZATIONS,
+                             "group_size": QUANT_GROUP_SIZES, "compile_mode": COMPILE_MODES,
+                             "paged_attention": PAGED_ATTENTION_MODES,
+                             "decode_stack": DECODE_STACK_MODES})
         if self.gguf_path is not None and (self.quantization != "none"
                                            or self.dtype != "float32"):
             raise ValueError("GGUF-native weights run float32 activations, no re-quantization")

@@ -84,23 +84,16 @@ class MessagesFormatter(Formatter):
 
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        finish = None
-        for chunk in self.chat.stream_event(event):
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                if delta.get("content"):
-                    if self.block != "text":
-                        out += self._open({"type": "text", "text": ""})
-                    out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-                for call in delta.get("tool_calls") or []:
-                    fn = call.get("function") or {}
-                    if call.get("id"):
-                        out += self._open({"type": "tool_use", "id": call["id"],
-                                           "name": fn.get("name", ""), "input": {}})
-                    if fn.get("arguments"):
-                        out.append(self._delta({"type": "input_json_delta",
-                                                "partial_json": fn["arguments"]}))
-                finish = choice["finish_reason"] or finish
+        pieces, finish = self.chat.pieces(event)
+        for kind, text, more in pieces:
+            if kind == "text":
+                if self.block != "text":
+                    out += self._open({"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": text}))
+            elif kind == "call":
+                out += self._open({"type": "tool_use", "id": text, "name": more, "input": {}})
+            else:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": text}))
         if finish is not None and not self.ended:
             self.ended = True
             out += self._close()

@@ -147,25 +147,18 @@ class ResponsesFormatter(Formatter):
 
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        finish = None
-        for chunk in self.chat.stream_event(event):
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                if delta.get("content"):
-                    out += self._text(delta["content"], (choice["logprobs"] or {}).get(
-                        "content") or [])
-                for call in delta.get("tool_calls") or []:
-                    fn = call.get("function") or {}
-                    if call.get("id"):
-                        out += self._open_call(call["id"], fn.get("name", ""))
-                    if fn.get("arguments"):
-                        assert self.open is not None
-                        self.open["arguments"] += fn["arguments"]
-                        out.append(self._event("response.function_call_arguments.delta",
-                                               item_id=self.open["id"],
-                                               output_index=len(self.output),
-                                               delta=fn["arguments"]))
-                finish = choice["finish_reason"] or finish
+        pieces, finish = self.chat.pieces(event)
+        for kind, text, more in pieces:
+            if kind == "text":
+                out += self._text(text, more)
+            elif kind == "call":
+                out += self._open_call(text, more)
+            else:
+                assert self.open is not None
+                self.open["arguments"] += text
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=self.open["id"], output_index=len(self.output),
+                                       delta=text))
         if finish is not None and not self.ended:
             self.ended = True
             if not self.output and self.open is None:  # nothing said: one empty message

@@ -228,6 +228,27 @@ class ChatFormatter(Formatter):
                   "finish_reason": event.finish_reason}
         return thoughts + [self._chunk([choice], **self._final_extras(event))]
 
+    def pieces(self, event: ChoiceEvent) -> tuple[list[tuple[str, Any, Any]], str | None]:
+        """What this event adds to the chat stream, for a dialect that renders it in its own
+        events: ("text", text, its logprobs), ("call", id, name) as a tool call opens,
+        ("arguments", text, None); and the finish reason, once the choice ended."""
+        out: list[tuple[str, Any, Any]] = []
+        finish = None
+        for chunk in self.stream_event(event):
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                if delta.get("content"):
+                    out.append(("text", delta["content"],
+                                (choice["logprobs"] or {}).get("content") or []))
+                for call in delta.get("tool_calls") or []:
+                    fn = call.get("function") or {}
+                    if call.get("id"):
+                        out.append(("call", call["id"], fn.get("name", "")))
+                    if fn.get("arguments"):
+                        out.append(("arguments", fn["arguments"], None))
+                finish = choice["finish_reason"] or finish
+        return out, finish
+
     def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         """Content passes through; tool calls are sent as tool_calls deltas when the choice
         ends (gateway.output.tool_calls)."""
