@@ -22,10 +22,10 @@ op, so a child inherits no thread pool and no lock held by another thread.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
-import runpy
 import select
 import signal
 import socket
@@ -56,8 +56,6 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def preload(module: str) -> None:
-    import importlib
-
     for name in PRELOADS[module]:
         try:
             importlib.import_module(name)
@@ -84,9 +82,8 @@ def _child(module: str, request: dict[str, Any]) -> int:
 
     np.random.seed()
     sys.argv = [module, *request["args"]]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
+    try:  # what `python -m module` runs: its main() (imported here already)
+        return importlib.import_module(module).main() or 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
