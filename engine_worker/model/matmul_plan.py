@@ -4,7 +4,7 @@
     (engine_worker/path_choice.py) + which of our kernels load here
       -> MatmulPlan (frozen), made once by the builder (engine_worker/model/builder.py)
       -> every linear layer is built from `plan.routes(kind)`: a table "up to N rows -> path",
-         which its forward looks up (no chain of branches; model/kernels.py)
+         which its forward looks up (no chain of branches)
       -> the RMSNorms, the C++ decode stack and the thread choice read `decode_stack`, the
          compiled decode its bucket edges from `switch_rows`; nothing changes a module after
       -> logged once at start as one line `matmul plan: ...`, sent in the worker's hello and
@@ -24,7 +24,7 @@ Paths, by name (what a route runs):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 ALL = 1 << 62  # a route's bound: every row count above the previous route's
@@ -139,13 +139,9 @@ class MatmulPlan:
 
     def describe(self) -> str:
         """One line: per weight kind, the path per row range."""
-
         kinds = [f"{k}: {describe_routes(self.routes(k))}" for k in self.kinds]
         if self.head_kind:
             kinds.append(f"head {self.head_kind}: "
                          f"{describe_routes(self.routes(self.head_kind, True))}")
         stack = "; decode rows through the C++ decode stack" if self.decode_stack else ""
         return f"matmul plan: {'; '.join(kinds)}{stack} ({self.origin})"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "describe": self.describe()}

@@ -184,6 +184,7 @@ class ResponsesFormatter(Formatter):
     def _open_message(self) -> list[dict[str, Any]]:
         out = self._close(None)
         self.open = {"type": "message", "id": self.message_id, "text": ""}
+        self.logprobs = []  # this message's own
         index = len(self.output)
         return out + [
             self._event("response.output_item.added", output_index=index,
