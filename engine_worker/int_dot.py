@@ -1,7 +1,8 @@
 """Integer-dot matmuls over GGUF block weights (issues 21, 22): the C++ kernel (csrc/int_dot.cpp)
 with its load-time repacking, and the pure-torch references it is tested by. Formats: the GGUF's
-own Q4_0 / Q4_1 / Q8_0, and q8_1 (w = d*q + m) and q8_16 (one scale per 16 inputs), the 8-bit
-forms the other GGML types are rewritten to, code for code (engine_worker/model/ggml_types.py).
+own Q4_0 / Q4_1 / Q8_0 / Q5_0, and the forms the other GGML types are rewritten to, code for code
+(engine_worker/model/ggml_types.py): q8_1 (w = d*q + m), q6_16 (Q6_K's 6-bit codes, one scale per
+16 inputs) and q8_16 (the same with 8-bit codes).
 
 Data flow:
 
@@ -35,14 +36,17 @@ from engine_worker.kernel_build import KernelUnavailable, load_kernel
 
 BLOCK = 32  # inputs per quantization block
 TILE = 8  # output rows interleaved per packed block
-# bytes per block of 32: GGUF's own, and ours (fp16 d, fp16 m or second d, 32 int8 codes)
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22}
+# bytes per block of 32: GGUF's own, and ours (fp16 d, fp16 m or second d, 32 int8 codes; q6_16:
+# two fp16 d, 16 bytes of low nibbles in Q4_x order, 8 bytes of the codes' top two bits:
+# byte c, bits 2j..2j+1: element 4j+c's; byte 4+c: element 16+4j+c's)
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22,
+               "q6_16": 28}
 OFFSET_FORMATS = ("q4_1", "q8_1")  # w = d*q + m
 FORMATS = tuple(BLOCK_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
            "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q5_0", "pack_q8_0", "pack_q8_1",
-           "pack_q8_16",
+           "pack_q6_16", "pack_q8_16",
            "quantize_q8",
            "reference_mm"]
 
@@ -144,8 +148,27 @@ def pack_q8_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     return Packed("q8_16", n, k, _interleave(codes, n), d.contiguous())
 
 
+def pack_q6_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """q6_16 blocks: the nibbles as Q4_0's, then the top-two-bit planes, 8 rows a tile: qs
+    (T, B, 192); d as q8_16's."""
+    b = _blocks(raw, "q6_16", n, k)
+    qs = torch.cat([_interleave(b[..., 4:20], n), _interleave(b[..., 20:28], n)], -1)
+    d = torch.cat([_scales(_half(b, 0), n), _scales(_half(b, 2), n)], -1)  # (T, B, 16)
+    return Packed("q6_16", n, k, qs.contiguous(), d.contiguous())
+
+
 PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0, "q8_1": pack_q8_1,
-           "q8_16": pack_q8_16, "q5_0": pack_q5_0}
+           "q8_16": pack_q8_16, "q5_0": pack_q5_0, "q6_16": pack_q6_16}
+
+
+def q6_codes(b: torch.Tensor) -> torch.Tensor:
+    """q6_16 blocks (N, B, 28) -> their codes 0..63, int32 (N, B, 32)."""
+    nib = b[..., 4:20].to(torch.int32)
+    low = torch.cat([nib & 0x0F, nib >> 4], -1)  # elements 0..15, then 16..31
+    e = torch.arange(32, device=b.device)
+    byte = 20 + e % 4 + 4 * (e // 16)  # element e's top bits: byte, then bits 2 * shift
+    shift = 2 * ((e % 16) // 4)
+    return low | (((b[..., byte].to(torch.int32) >> shift) & 3) << 4)
 
 
 def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
@@ -233,9 +256,12 @@ def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
         qh = b[..., 2:6].contiguous().view(torch.int32)  # (N, B, 1): bit e is element e's
         bits = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
         w = d * ((low | (bits << 4)) - 16).double()
-    elif fmt in ("q8_1", "q8_16"):
-        q = b[..., 4:].contiguous().view(torch.int8).double()  # (N, B, 32)
-        if fmt == "q8_16":
+    elif fmt in ("q8_1", "q8_16", "q6_16"):
+        if fmt == "q6_16":
+            q = (q6_codes(b) - 32).double()
+        else:
+            q = b[..., 4:].contiguous().view(torch.int8).double()  # (N, B, 32)
+        if fmt != "q8_1":
             d = torch.cat([d.expand(-1, -1, 16), _half(b, 2).double()[..., None].expand(
                 -1, -1, 16)], -1)
         w = d * q

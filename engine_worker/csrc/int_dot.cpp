@@ -1,8 +1,9 @@
 // Integer-dot matmuls over GGUF block-quantized weights (issues 21, 22), as llama.cpp's CPU
 // backend does: y (M, N) float32 = x (M, K) float32 @ W^T for any number of activation rows, W
-// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, and two 8-bit forms that hold the other GGML types
+// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, Q5_0, and forms that hold the other GGML types
 // exactly in their codes (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1 and
-// Q5_K) and Q8_16 (w = d*q with one scale per 16 inputs, for Q6_K).
+// Q5_K), Q6_16 (6-bit codes with one scale per 16 inputs, for Q6_K) and Q8_16 (the same as
+// 8-bit codes).
 //
 // Data flow of one call:
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
@@ -26,6 +27,11 @@
 //     row i's fifth bits (bit e: element e); w = d*(q-16), q = nibble | bit << 4 in 0..31.
 //   Q8_16: as Q8_0 with d float16 (T, B, 16): lanes 0..7 scale inputs 0..15 of rows 0..7,
 //     lanes 8..15 inputs 16..31; the integer dot is taken per half block (vectors 0-3, 4-7).
+//   Q6_16: Q6_K's 6-bit codes in 7 bits a weight (Q8_16 takes 9): qs uint8 (T, B, 192): Q4_x's
+//     128 bytes of low nibbles, then two vectors of the codes' top two bits: in the first, byte
+//     4i+c holds in bits 2j..2j+1 those of row i's element 4j+c (j = 0..3), in the second those
+//     of element 16+4j+c, so a shift and a mask put them beside the nibbles of vector j. d as
+//     Q8_16's; w = d*(q-32), q in 0..63, applied per half block as isum - 32 * sum(codes).
 // Rows are taken in groups of 64: each group meets every tile while its codes stay in cache.
 // So one 32-bit lane of a vector holds 4 consecutive inputs of one output row: a dot of 4 bytes
 // per lane (maddubs+madd, or dpbusd) against the activation's 4 matching codes broadcast to all
@@ -84,28 +90,34 @@ constexpr int64_t kTile = 8;      // output rows interleaved per block
 constexpr int64_t kRowGroup = 64;  // activation rows whose codes stay in cache across tiles
 constexpr int kChunk = 4;          // activation rows that share one pass over a tile's weights
 
-enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0 };
+enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16 };
 
 constexpr bool is_q8(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q8_1 || f == Fmt::Q8_16; }
 constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1; }
-constexpr int64_t packed_bytes(Fmt f) { return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : 128; }
-// scales per (tile, block): one per row, or for Q8_16 one per row and half-block (16 inputs)
-constexpr int64_t scales_per(Fmt f) { return f == Fmt::Q8_16 ? 2 * kTile : kTile; }
+constexpr int64_t packed_bytes(Fmt f) {
+  return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : f == Fmt::Q6_16 ? 192 : 128;
+}
+// one scale per half block (16 inputs): the integer dot is kept per half
+constexpr bool per_half(Fmt f) { return f == Fmt::Q8_16 || f == Fmt::Q6_16; }
+// scales per (tile, block): one per row, or one per row and half block
+constexpr int64_t scales_per(Fmt f) { return per_half(f) ? 2 * kTile : kTile; }
 constexpr const char* fmt_name(Fmt f) {
   return f == Fmt::Q4_0   ? "q4_0"
          : f == Fmt::Q4_1 ? "q4_1"
          : f == Fmt::Q8_0 ? "q8_0"
          : f == Fmt::Q8_1 ? "q8_1"
          : f == Fmt::Q5_0 ? "q5_0"
+         : f == Fmt::Q6_16 ? "q6_16"
                           : "q8_16";
 }
 
-// The activation rows quantized to Q8 blocks: codes (M, K), scales (M, B), code sums (M, B) and
-// for the offset formats scale * code sum (M, B).
+// The activation rows quantized to Q8 blocks: codes (M, K), scales (M, B), code sums (M, B), the
+// sums per half block (M, 2B) and for the offset formats scale * code sum (M, B).
 struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum;
+  std::vector<int32_t> half;
   std::vector<float> s;
 };
 
@@ -114,6 +126,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
   a.q.resize(m * k);
   a.d.resize(m * blocks);
   a.sum.resize(m * blocks);
+  a.half.resize(2 * m * blocks);
   a.s.resize(m * blocks);
   for (int64_t rb = 0; rb < m * blocks; ++rb) {
     const float* xb = x + rb * kBlock;  // rows are contiguous, K a multiple of 32
@@ -127,21 +140,24 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
     if (!finite) {  // NaN or inf in x: the row's outputs are NaN, as a float matmul's would be
       std::memset(qb, 0, kBlock);
       a.d[rb] = a.s[rb] = std::numeric_limits<float>::quiet_NaN();
-      a.sum[rb] = 0;
+      a.sum[rb] = a.half[2 * rb] = a.half[2 * rb + 1] = 0;
       continue;
     }
     // a block below 1e-30 (zero, or so small that 127/amax would overflow) quantizes to zeros
     const bool live = amax >= 1e-30f;
     const float d = live ? amax / 127.f : 0.f;
     const float id = live ? 127.f / amax : 0.f;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * id));  // ties to even
       qb[j] = static_cast<int8_t>(v);
-      sum += v;
+      half[j / 16] += v;
     }
+    const int32_t sum = half[0] + half[1];
     a.d[rb] = d;
     a.sum[rb] = sum;
+    a.half[2 * rb] = half[0];
+    a.half[2 * rb + 1] = half[1];
     a.s[rb] = d * static_cast<float>(sum);
   }
 }
@@ -151,7 +167,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
 inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The code the unsigned nibble codes are offset by: w = d * (q - zero_code).
-constexpr int32_t zero_code(Fmt f) { return f == Fmt::Q5_0 ? 16 : 8; }
+constexpr int32_t zero_code(Fmt f) { return f == Fmt::Q5_0 ? 16 : f == Fmt::Q6_16 ? 32 : 8; }
 
 #if defined(KESTREL_SIMD)
 inline __m256 load8h(const uint16_t* p) {
@@ -166,6 +182,16 @@ inline __m256i spread4(__m256i x) {
                          _mm256_set1_epi32(0x00204081)),
       _mm256_set1_epi32(0x01010101));
   return _mm256_slli_epi32(bits, 4);
+}
+
+// Q6_16: the top two bits of vector j's codes, from their plane, at bits 4..5 of each byte.
+template <int J>
+inline __m256i top2(__m256i plane) {
+  const __m256i at = J == 0 ? _mm256_slli_epi16(plane, 4)
+                     : J == 1 ? _mm256_slli_epi16(plane, 2)
+                     : J == 2 ? plane
+                              : _mm256_srli_epi16(plane, 2);
+  return _mm256_and_si256(at, _mm256_set1_epi8(0x30));
 }
 #endif
 
@@ -246,6 +272,18 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
           hi[j] = _mm256_or_si256(hi[j], spread4(_mm256_srli_epi32(qh, 16 + 4 * j)));
         }
       }
+      if constexpr (F == Fmt::Q6_16) {  // the top two bits beside the nibbles: codes 0..63
+        const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+        const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 160));
+        lo[0] = _mm256_or_si256(lo[0], top2<0>(pl));
+        lo[1] = _mm256_or_si256(lo[1], top2<1>(pl));
+        lo[2] = _mm256_or_si256(lo[2], top2<2>(pl));
+        lo[3] = _mm256_or_si256(lo[3], top2<3>(pl));
+        hi[0] = _mm256_or_si256(hi[0], top2<0>(ph));
+        hi[1] = _mm256_or_si256(hi[1], top2<1>(ph));
+        hi[2] = _mm256_or_si256(hi[2], top2<2>(ph));
+        hi[3] = _mm256_or_si256(hi[3], top2<3>(ph));
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
@@ -260,8 +298,27 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
         __m256i isum = _mm256_add_epi32(i0, i1);
 #else
-        __m256i isum;
-        if constexpr (F == Fmt::Q5_0) {  // 5-bit codes: a pair's sum fits int16, eight do not
+        __m256i isum, i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        if constexpr (F == Fmt::Q6_16) {  // per half; two pairs of 6-bit products fit int16
+          __m256i p[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i* v = h == 0 ? lo : hi;
+            __m256i s32 = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j += 2) {
+              int32_t x0, x1;
+              std::memcpy(&x0, xq + 16 * h + 4 * j, 4);
+              std::memcpy(&x1, xq + 16 * h + 4 * j + 4, 4);
+              const __m256i p16 = _mm256_add_epi16(
+                  _mm256_maddubs_epi16(v[j], _mm256_set1_epi32(x0)),
+                  _mm256_maddubs_epi16(v[j + 1], _mm256_set1_epi32(x1)));
+              s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p16, ones16));
+            }
+            p[h] = s32;
+          }
+          i0 = p[0];
+          i1 = p[1];
+          isum = _mm256_setzero_si256();
+        } else if constexpr (F == Fmt::Q5_0) {  // 5-bit codes: a pair's sum fits int16, eight do not
           isum = _mm256_setzero_si256();
           for (int j = 0; j < 4; ++j) {
             int32_t xl, xh;
@@ -284,6 +341,15 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
 #endif
         const int64_t ab = row * blocks + b;
+        if constexpr (F == Fmt::Q6_16) {  // as Q8_16's float steps: the same bits
+          const __m256 dx = _mm256_set1_ps(a.d[ab]);
+          const __m256i h0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(32 * a.half[2 * ab]));
+          const __m256i h1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(32 * a.half[2 * ab + 1]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(dwv, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1),
+                                   _mm256_mul_ps(load8h(dw + b * sp + kTile), dx), acc[r]);
+          continue;
+        }
         if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) {
           isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero_code(F) * a.sum[ab]));
         }
@@ -322,6 +388,23 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
             continue;
           }
           isum = half[0] + half[1];
+        } else if constexpr (F == Fmt::Q6_16) {
+          int32_t half[2] = {0, 0};
+          for (int j = 0; j < 4; ++j)
+            for (int c = 0; c < 4; ++c) {
+              const uint8_t v = wb[32 * j + 4 * i + c];
+              const int32_t top_lo = (wb[128 + 4 * i + c] >> (2 * j)) & 3;
+              const int32_t top_hi = (wb[160 + 4 * i + c] >> (2 * j)) & 3;
+              half[0] += ((v & 0x0F) | (top_lo << 4)) * xq[4 * j + c];
+              half[1] += ((v >> 4) | (top_hi << 4)) * xq[16 + 4 * j + c];
+            }
+          half[0] -= 32 * a.half[2 * ab];
+          half[1] -= 32 * a.half[2 * ab + 1];
+          out[r][i] = std::fma(static_cast<float>(half[0]), h2f(dw[b * sp + i]) * a.d[ab],
+                               out[r][i]);
+          out[r][i] = std::fma(static_cast<float>(half[1]),
+                               h2f(dw[b * sp + kTile + i]) * a.d[ab], out[r][i]);
+          continue;
         } else {
           uint32_t qh = 0;
           if constexpr (F == Fmt::Q5_0) std::memcpy(&qh, wb + 128 + 4 * i, 4);
@@ -359,6 +442,15 @@ inline __m512i spread4(__m512i x) {  // as the 256-bit spread4
                          _mm512_set1_epi32(0x00204081)),
       _mm512_set1_epi32(0x01010101));
   return _mm512_slli_epi32(bits, 4);
+}
+
+template <int J>
+inline __m512i top2(__m512i plane) {  // as the 256-bit top2
+  const __m512i at = J == 0 ? _mm512_slli_epi16(plane, 4)
+                     : J == 1 ? _mm512_slli_epi16(plane, 2)
+                     : J == 2 ? plane
+                              : _mm512_srli_epi16(plane, 2);
+  return _mm512_and_si512(at, _mm512_set1_epi8(0x30));
 }
 
 inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 float32
@@ -439,6 +531,20 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
           hi[j] = _mm512_or_si512(hi[j], spread4(_mm512_srli_epi32(qh, 16 + 4 * j)));
         }
       }
+      __m512 dhi = _mm512_setzero_ps();
+      if constexpr (F == Fmt::Q6_16) {
+        const __m512i pl = load2(wb + 128, wb + tile_bytes + 128);
+        const __m512i ph = load2(wb + 160, wb + tile_bytes + 160);
+        lo[0] = _mm512_or_si512(lo[0], top2<0>(pl));
+        lo[1] = _mm512_or_si512(lo[1], top2<1>(pl));
+        lo[2] = _mm512_or_si512(lo[2], top2<2>(pl));
+        lo[3] = _mm512_or_si512(lo[3], top2<3>(pl));
+        hi[0] = _mm512_or_si512(hi[0], top2<0>(ph));
+        hi[1] = _mm512_or_si512(hi[1], top2<1>(ph));
+        hi[2] = _mm512_or_si512(hi[2], top2<2>(ph));
+        hi[3] = _mm512_or_si512(hi[3], top2<3>(ph));
+        dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
+      }
       __m512 mv = _mm512_setzero_ps();
       if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
       for (int r = 0; r < R; ++r) {
@@ -452,8 +558,16 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
           i0 = _mm512_dpbusd_epi32(i0, lo[j], _mm512_set1_epi32(xl));
           i1 = _mm512_dpbusd_epi32(i1, hi[j], _mm512_set1_epi32(xh));
         }
-        __m512i isum = _mm512_add_epi32(i0, i1);
         const int64_t ab = row * blocks + b;
+        if constexpr (F == Fmt::Q6_16) {
+          const __m512 dx = _mm512_set1_ps(a.d[ab]);
+          const __m512i h0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(32 * a.half[2 * ab]));
+          const __m512i h1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(32 * a.half[2 * ab + 1]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), _mm512_mul_ps(dwv, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), _mm512_mul_ps(dhi, dx), acc[r]);
+          continue;
+        }
+        __m512i isum = _mm512_add_epi32(i0, i1);
         if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) {
           isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zero_code(F) * a.sum[ab]));
         }
@@ -613,6 +727,11 @@ at::Tensor int_dot_q8_16(const at::Tensor& x, const at::Tensor& qs, const at::Te
   return int_dot<Fmt::Q8_16>(x, qs, d, c10::nullopt, n);
 }
 
+at::Tensor int_dot_q6_16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                         int64_t n) {
+  return int_dot<Fmt::Q6_16>(x, qs, d, c10::nullopt, n);
+}
+
 // The activation quantizer alone, for tests: (codes int8 (M, K), scales float32 (M, K/32),
 // code sums int32 (M, K/32)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int_dot_quantize_q8(const at::Tensor& x) {
@@ -643,6 +762,7 @@ TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
   lib.def("int_dot_q8_1(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_q8_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q5_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_q6_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
 }
@@ -654,5 +774,6 @@ TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
   lib.impl("int_dot_q8_1", &int_dot_q8_1);
   lib.impl("int_dot_q8_16", &int_dot_q8_16);
   lib.impl("int_dot_q5_0", &int_dot_q5_0);
+  lib.impl("int_dot_q6_16", &int_dot_q6_16);
   lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
 }

@@ -15,8 +15,9 @@ rewriting them (issue 39: the 1.5B Qwen's K-quants took ~9 s of numpy per start)
 A tensor served as stored (Q4_0, Q4_1, Q8_0, Q5_0) is already a view of the file: nothing is
 written for it. A .bin whose seal does not match (a disk error, an edit) is rebuilt, never
 served. Where the folder cannot be written, the rewrite is served and the cache skipped (logged
-once). The checksum reads every cached byte at each start (~2 GB/s with SHA extensions), which
-also brings the pages into memory that the first requests would fault in anyway.
+once). The checksum reads every cached byte at each start (~2 GB/s with SHA extensions) through
+the file, not the mapping: the pages come into the page cache without being mapped into this
+process, so a tensor read in place (the token embedding) holds only the rows it looks up.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from engine_worker.model.ggml_types import Blocks, read_tensor
 
 log = logging.getLogger("kestrel.gguf")
 
-FORMAT = 1  # bump when ggml_types' rewrite of any type changes its output
+FORMAT = 2  # 2: Q6_K as q6_16 (was q8_16). Bump when ggml_types' rewrite of any type changes its output
 
 
 class BlockCache:
@@ -71,14 +72,16 @@ class BlockCache:
         meta_path, bin_path = self.folder / f"{name}.json", self.folder / f"{name}.bin"
         try:
             meta = json.loads(meta_path.read_text())
-            if bin_path.stat().st_size != meta["bytes"]:
-                return None
-            raw = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r",
-                            shape=tuple(meta["shape"]))
+            with open(bin_path, "rb") as f:  # one open file: the bytes checked are those mapped
+                if os.fstat(f.fileno()).st_size != meta["bytes"]:
+                    return None
+                if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
+                    log.warning("block cache: %s does not match its seal; rewriting it",
+                                bin_path)
+                    return None
+                raw = np.memmap(f, dtype=np.dtype(meta["dtype"]), mode="r",
+                                shape=tuple(meta["shape"]))
         except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if hashlib.sha256(raw.data).hexdigest() != meta["sha256"]:
-            log.warning("block cache: %s does not match its seal; rewriting it", bin_path)
             return None
         return Blocks(meta["fmt"], raw, int(meta["n"]), int(meta["k"]))
 

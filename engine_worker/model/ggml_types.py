@@ -8,7 +8,8 @@
                                        -> q4_1:  per 32, d' = d*sc, m' = -dmin*mn, codes q
            Q5_K  (as Q4_K, 5-bit q)    -> q8_1:  the same scales, codes q 0..31
            Q6_K  (256: 16 x 16, int8 scale per 16, 6-bit q)
-                                       -> q8_16: per 16, d' = d*sc, codes q - 32
+                                       -> q6_16: per 16, d' = d*sc, codes q (w = d'*(q-32)),
+                                          7 bits a weight (q8_16, 8-bit codes q - 32: 9 bits)
            F32 / F16 / BF16           -> float32 (norms, biases)
            anything else               -> gguf's own dequantize (float32), named in the log
       -> Blocks: fmt, raw bytes (N, K/32 * block bytes); codes / scales / float view on demand
@@ -82,6 +83,15 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
     return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
 
 
+def q6_body(q: np.ndarray) -> np.ndarray:
+    """Codes 0..63 (..., 32) -> q6_16's 24 bytes after its scales (int_dot.BLOCK_BYTES): the low
+    nibbles in Q4_x order, then byte c holding in bits 2j..2j+1 the top bits of element 4j+c,
+    byte 4+c those of element 16+4j+c."""
+    top = (q >> 4).astype(np.uint8).reshape(*q.shape[:-1], 2, 4, 4)  # (half, j, c)
+    planes = (top << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2, dtype=np.uint8)
+    return np.concatenate([_nibbles(q & 0x0F), planes.reshape(*q.shape[:-1], 8)], axis=-1)
+
+
 def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarray] | None:
     """A quantized tensor's bytes (N, row bytes) -> (kernel format, its bytes (N, K/32 * block
     bytes)); None for a type with no exact kernel form."""
@@ -123,17 +133,17 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarra
         low = np.stack([ql.reshape(n, -1, 2, 64) & 0x0F, ql.reshape(n, -1, 2, 64) >> 4], 3)
         high = np.stack([(qh.reshape(n, -1, 2, 32) >> s) & 3 for s in (0, 2, 4, 6)], 3)
         q = low.reshape(n, -1, 2, 128) | (high.reshape(n, -1, 2, 128) << 4)
-        codes = (q.reshape(n, -1, 32).astype(np.int16) - 32).astype(np.int8)  # (N, B, 32)
         ds = d.reshape(n, -1, 2)  # (N, B, 2): halves of each block of 32
         head = np.concatenate([_h(ds[..., 0]), _h(ds[..., 1])], axis=-1)
-        return "q8_16", np.concatenate([head, codes.view(np.uint8)], axis=-1).reshape(n, -1)
+        return "q6_16", np.concatenate([head, q6_body(q.reshape(n, -1, 32))],
+                                       axis=-1).reshape(n, -1)
     return None
 
 
 # The kernel format each GGML type is read into (`convert`); any other is dequantized to float.
 _KERNEL_FORMATS = {"F32": "float", "F16": "float", "BF16": "float", "Q4_0": "q4_0",
                    "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q8_1",
-                   "Q4_K": "q4_1", "Q5_K": "q8_1", "Q6_K": "q8_16"}
+                   "Q4_K": "q4_1", "Q5_K": "q8_1", "Q6_K": "q6_16"}
 
 
 def kernel_format(t: Any) -> str:

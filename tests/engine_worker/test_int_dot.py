@@ -1,6 +1,6 @@
 """The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
-and Q8_0 weights made by the `gguf` package, and over q8_1 / q8_16 (the forms Q5_1/Q5_K and Q6_K
-are rewritten to): equal to the Q8-activation reference within float32
+and Q8_0 weights made by the `gguf` package, and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K and
+Q6_K are rewritten to, and Q6_K's codes as 8 bits): equal to the Q8-activation reference within float32
 accumulation, within the activations' 8-bit rounding of the float truth, the same bits for a row
 alone or in a batch, clear errors on bad input, and the ISA path the build was capped to.
 
@@ -26,7 +26,7 @@ from tests.engine_worker.kquant_factory import quantize
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
-SOURCE = {"q8_1": Q.Q5_1, "q8_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
+SOURCE = {"q8_1": Q.Q5_1, "q6_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
 ROWS = (1, 2, 3, 4, 7, 8, 16, 67)  # 67: more than one group of 64 rows
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
@@ -63,6 +63,30 @@ def test_dequantize_equals_gguf() -> None:
         assert got_fmt == fmt
         torch.testing.assert_close(int_dot.dequantize(fmt, ours, 40, 256), want, rtol=2e-3,
                                    atol=1e-3 * want.abs().max().item())
+
+
+def _as_q8_16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """q6_16 blocks as q8_16's: the same scales, codes q - 32 in a byte each."""
+    b = torch.from_numpy(raw).view(n, k // 32, 28)
+    codes = (int_dot.q6_codes(b) - 32).to(torch.int8).view(torch.uint8)
+    return torch.cat([b[..., :4], codes], -1).reshape(n, -1).numpy()
+
+
+@pytest.mark.parametrize("rows", (1, 3, 4, 16, 67))
+def test_q6_16_gives_q8_16s_bits_in_fewer_bytes(int_dot_kernel: None, rows: int) -> None:
+    """Q6_K's codes kept in 6 bits (plus the top-bit planes) give, bit for bit, what the same
+    codes as bytes give: the integer sums are equal (sum (q-32)x = sum qx - 32 sum x) and the
+    float steps are the same, on every ISA path; and the matrix is 7/9 of the bytes."""
+    n, k = 200, 256
+    w = np.random.default_rng(rows).standard_normal((n, k)).astype(np.float32)
+    fmt, raw = convert(Q.Q6_K, quantize(w, Q.Q6_K), n, k)  # type: ignore[misc]
+    assert fmt == "q6_16"
+    p6, p8 = int_dot.pack("q6_16", raw, n, k), int_dot.pack("q8_16", _as_q8_16(raw, n, k), n, k)
+    assert torch.equal(int_dot.dequantize("q6_16", raw, n, k),
+                       int_dot.dequantize("q8_16", _as_q8_16(raw, n, k), n, k))
+    x = _x(rows, k, rows + 5)
+    assert torch.equal(int_dot.mm(p6, x), int_dot.mm(p8, x))
+    assert p6.qs.numel() + 2 * p6.d.numel() == 7 * (p8.qs.numel() + 2 * p8.d.numel()) // 9
 
 
 def test_packed_layout() -> None:
@@ -205,7 +229,7 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     b[..., :2] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
     if fmt in ("q4_1", "q8_1"):
         b[..., 2:4] = rng.uniform(-0.5, 0, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
-    if fmt == "q8_16":  # the second half-block's scale
+    if fmt in ("q8_16", "q6_16"):  # the second half-block's scale
         b[..., 2:4] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)
 
@@ -220,6 +244,7 @@ GOLDEN = {
     "q8_1": "56bb5cce154dc035675dd7b9ad626c313b663f35b8949846d6aa25186b94e918",
     "q8_16": "02bc03db0513341670a2e4cfa9149f224a9eeb0fedce2fd83e651aad451cf0eb",
     "q5_0": "768ea19786f9cd7ea8711c6ff773fe90c45546edb34a8b5869a4f4f6fadea022",
+    "q6_16": "07763e3062010aa592fe533d71bcd2964281018751d18409919ad3e0f8342e8e",
 }
 
 

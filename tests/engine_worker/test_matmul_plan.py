@@ -42,7 +42,7 @@ def test_each_kind_routes_its_rows_as_the_plan_says() -> None:
         "(measured)")
     # K-quant files: the integer-dot kernel at every row count; float tensors stay float
     every = MatmulPlan(int_dot_all=True)
-    assert describe_routes(every.routes("q8_16")) == "int_dot 1+"
+    assert describe_routes(every.routes("q6_16")) == "int_dot 1+"
     assert describe_routes(every.routes("float")) == "float 1+"
     # the exact mode, and an INT4 layer torch's kernel cannot tile, dequantize
     assert describe_routes(MatmulPlan(use_kernel=False).routes("q4_0")) == "dequantize 1+"
