@@ -99,3 +99,17 @@ def test_rollback_undoes_exactly_the_advanced_tokens(compiler: GrammarCompiler) 
     assert matcher.accepting
     matcher.rollback(len(ids))
     assert torch.equal(compiler.allowed_tokens([matcher]), before)
+
+
+def test_llguidance_tokenizer_is_built_by_the_first_grammar_not_at_start(
+        tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    """A worker that never sees structured output does not hold llguidance's tokenizer (about
+    130 MiB for a 151,936-token vocabulary); the first grammar builds it, once."""
+    fresh = GrammarCompiler((tiny_dir / "tokenizer.json").read_text(),
+                            tiny_runner.config.vocab_size, list(tiny_runner.config.eos_token_ids))
+    assert not fresh.built
+    fresh.matchers('{"grammars": [{"lark_grammar": "start: \\"a\\""}]}', 2)
+    assert fresh.built
+    tok = fresh.tokenizer
+    fresh.matcher('{"grammars": [{"lark_grammar": "start: \\"b\\""}]}')
+    assert fresh.tokenizer is tok
