@@ -22,9 +22,10 @@ from starlette.routing import Route
 
 from gateway.api import errors, tokenize_routes
 from gateway.api.body import read_json
-from gateway.api.errors import APIError
+from gateway.api.errors import APIError, validated
 from gateway.api.exchange import answer
 from gateway.api.openapi import OpenAPIDocument, server_figures
+from gateway.api.schemas import ModelRequest
 from gateway.config import GatewayConfig
 from gateway.dialects import ollama_info
 from gateway.engine.on_demand import OnDemand, Spawner
@@ -81,7 +82,8 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.gateway = state
-    app.state.openapi = OpenAPIDocument()  # the served models' figures added per request
+    # the served models' figures added per request; /models/(un)load only where they are served
+    app.state.openapi = OpenAPIDocument(on_demand=state.models_on_demand is not None)
     state.http_in_flight = errors.install(app)
     return app
 
@@ -105,11 +107,7 @@ async def _pool_request(request: Request) -> tuple[OnDemand, str]:
         raise APIError(404, "models are loaded and unloaded by hand only with `kestrel serve "
                        "--models-dir`", code="not_found")
     data = await read_json(request, 4096, state.cfg.body_timeout_s, state.intake.readers)
-    name = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(name, str) or not name:
-        raise APIError(422, "the body must be {\"model\": ID}", param="model",
-                       code="invalid_value")
-    return pool, name
+    return pool, validated(ModelRequest, data).model  # the schema /openapi.json states
 
 
 async def load_model(request: Request) -> Response:

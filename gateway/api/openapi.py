@@ -16,7 +16,10 @@ request's time is no bound for a longer one, and a timeout drawn at that edge is
 then missed (a 504) as often as refused.
 
 Response bodies are described loosely (an object; an SSE stream for streams) except the error
-shape, which every route shares: {"error": {"message", "type", "param", "code"}}.
+shape, which every route shares: {"error": {"message", "type", "param", "code"}}, and the answer
+of POST /models/load and /models/unload ({"model", "status"}). Those two are in the document only
+where the gateway serves them (`kestrel serve --models-dir`: an on-demand pool); elsewhere they
+answer 404, which a document naming them would contradict.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.api.schemas import SERVER_BOUND, DetokenizeRequest, TokenizeRequest
+from gateway.api.schemas import SERVER_BOUND, DetokenizeRequest, ModelRequest, TokenizeRequest
 from gateway.config import GatewayConfig
 from gateway.dialects.anthropic import CountTokensRequest
+from gateway.engine.on_demand import STATUSES
 from gateway.engine.registry import Registry
 from gateway.prompt.intake import ROUTES as INTAKE_ROUTES
 
@@ -99,6 +103,22 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("/v1/metrics", "get", None, "Prometheus metrics", False),
     ("/openapi.json", "get", None, "this document", False),
 ]
+# `kestrel serve --models-dir` only (gateway.api.app), each with the statuses it answers besides
+# 200: the key and the rate limit (Auth.guard), the body as read_json reads it, and its own.
+MODEL_STATUS = {"type": "object", "required": ["model", "status"],
+                "properties": {"model": {"type": "string"}, "status": {"enum": list(STATUSES)}}}
+MODEL_ERRORS = {"401": COMMON_ERRORS["401"], "429": "rate limited (see Retry-After)",
+                "400": "the body is not valid JSON", "408": "the body did not arrive in time",
+                "413": "the body is too large", "422": "the body is not {\"model\": ID}",
+                "404": "the model is not in the models folder (model_not_found)"}
+# path, summary, its own errors
+MODEL_ROUTES: list[tuple[str, str, dict[str, str]]] = [
+    ("/models/load", "start a model's worker (if it is not loaded) and wait until it serves",
+     {"503": "the model failed to load (model_load_failed, naming why), or shutting down"}),
+    ("/models/unload", "stop a model's worker (a worker of another host is left serving)",
+     {"409": "the model has requests, queued, running or waiting for it to load (model_busy): "
+             "it is never unloaded under them", "503": "shutting down"}),
+]
 
 
 def _error(text: str, shape: str = "Error") -> dict[str, Any]:
@@ -106,38 +126,66 @@ def _error(text: str, shape: str = "Error") -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": REF.format(model=shape)}}}}
 
 
-def build_openapi(title: str = "kestrel", version: str = "0.1.0") -> dict[str, Any]:
+def build_openapi(title: str = "kestrel", version: str = "0.1.0",
+                  on_demand: bool = False) -> dict[str, Any]:
+    """The document; `on_demand`: with the routes that load and unload models by hand."""
     models = [(model, "validation") for _, _, model, _, _ in ROUTES if model is not None]
+    if on_demand:
+        models.append((ModelRequest, "validation"))
     names, defs = models_json_schema(models, ref_template=REF)
     schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": ERROR,
                                "AnthropicError": ANTHROPIC_ERROR, "OllamaError": OLLAMA_ERROR}
     paths: dict[str, Any] = {}
     for path, method, model, summary, streams in ROUTES:
-        ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
-        if path.endswith("metrics"):
-            ok = {"text/plain": {"schema": {"type": "string"}}}
-        if streams:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
-        shape = ("AnthropicError" if path.startswith("/v1/messages") else
-                 "OllamaError" if path.startswith("/api/") else "Error")
-        op: dict[str, Any] = {
-            "summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}",
-            "responses": {"200": {"description": "OK", "content": ok},
-                          **{code: _error(text, shape) for code, text in COMMON_ERRORS.items()}}}
-        if model is not None:
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": names[(model, "validation")]}}}
-            op["responses"].update({code: _error(text, shape) for code, text in
-                                    GENERATION_ERRORS.items()
-                                    if not (shape == "AnthropicError" and code == "422")})
-        if streams and shape == "OllamaError":
-            ok["application/x-ndjson"] = ok.pop("text/event-stream")
-        paths.setdefault(path, {})[method] = op
+        schema = None if model is None else names[(model, "validation")]
+        paths.setdefault(path, {})[method] = _operation(path, method, schema, summary, streams)
+    if on_demand:
+        schemas["ModelStatus"] = MODEL_STATUS
+        for path, summary, errors in MODEL_ROUTES:
+            paths[path] = {"post": _model_operation(path, names[(ModelRequest, "validation")],
+                                                    summary, errors)}
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
                                          "description": DESCRIPTION},
             "paths": paths, "components": {"schemas": schemas,
                                            "securitySchemes": {"bearer": {
                                                "type": "http", "scheme": "bearer"}}}}
+
+
+def _operation(path: str, method: str, schema: dict[str, Any] | None, summary: str,
+               streams: bool) -> dict[str, Any]:
+    """One route of ROUTES: its request body's schema (None: no body), its answers."""
+    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if path.endswith("metrics"):
+        ok = {"text/plain": {"schema": {"type": "string"}}}
+    if streams:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    shape = ("AnthropicError" if path.startswith("/v1/messages") else
+             "OllamaError" if path.startswith("/api/") else "Error")
+    op: dict[str, Any] = {
+        "summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}",
+        "responses": {"200": {"description": "OK", "content": ok},
+                      **{code: _error(text, shape) for code, text in COMMON_ERRORS.items()}}}
+    if schema is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": schema}}}
+        op["responses"].update({code: _error(text, shape) for code, text in
+                                GENERATION_ERRORS.items()
+                                if not (shape == "AnthropicError" and code == "422")})
+    if streams and shape == "OllamaError":
+        ok["application/x-ndjson"] = ok.pop("text/event-stream")
+    return op
+
+
+def _model_operation(path: str, schema: dict[str, Any], summary: str,
+                     errors: dict[str, str]) -> dict[str, Any]:
+    """POST /models/load or /models/unload: {"model": id} in, the model's status out."""
+    ok = {"application/json": {"schema": {"$ref": REF.format(model="ModelStatus")}}}
+    return {"summary": summary, "operationId": f"post_{path.strip('/').replace('/', '_')}",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": schema}}},
+            "responses": {"200": {"description": "the model's status now", "content": ok},
+                          **{code: _error(text) for code, text in
+                             {**MODEL_ERRORS, **errors}.items()}}}
 
 
 def server_figures(cfg: GatewayConfig, registry: Registry) -> dict[str, Any]:
@@ -198,8 +246,9 @@ def with_figures(node: Any, figures: dict[str, Any]) -> Any:
 class OpenAPIDocument:
     """The document's schemas built once; its body rendered again when a figure changes."""
 
-    def __init__(self, title: str = "kestrel", version: str = "0.1.0") -> None:
-        self.base = build_openapi(title, version)
+    def __init__(self, title: str = "kestrel", version: str = "0.1.0",
+                 on_demand: bool = False) -> None:
+        self.base = build_openapi(title, version, on_demand)
         self._figures: dict[str, Any] | None = None
         self._body = b""
 

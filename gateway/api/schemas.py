@@ -395,3 +395,11 @@ class EmbeddingRequest(_Strict):
 
 class DetokenizeRequest(RequestBase):
     tokens: Annotated[list[TOKEN_ID], Field(max_length=1 << 20)]
+
+
+class ModelRequest(_Strict):
+    """POST /models/load and /models/unload (`kestrel serve --models-dir`): which model."""
+
+    model: Annotated[str, Field(min_length=1, description=(
+        "a model id of the models folder, as /v1/models lists it (any other: 404 "
+        "model_not_found)"))]

@@ -2,12 +2,14 @@
 names for the embedded SmolLM2 GGUF, and a file that is no GGUF), through the real launcher,
 gateway and worker processes and the official openai client: models listed with their status,
 loaded by their first request, at most --models-max loaded while requests for two models race,
-a failing model named in its 503, loads and unloads by hand, none under its requests, and the
+a failing model named in its 503, loads and unloads by hand, none under its requests (and
+/openapi.json describing those two routes, which schemathesis holds the server to), and the
 idle ones unloaded with their processes gone."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
 
 from engine_worker.model.loader import embedded_gguf_path
 from tests.e2e.test_kestrel_serve import ServeProc
@@ -81,6 +86,36 @@ def test_v1_models_lists_every_model_of_the_folder_with_its_status(served: Serve
     listed = statuses(served)
     assert set(listed) == {"alpha", "beta", "broken"}
     assert set(listed.values()) <= {"loaded", "loading", "unloaded"}
+
+
+MODEL_ROUTES = {"POST /models/load", "POST /models/unload"}
+
+
+def test_openapi_describes_the_load_and_unload_routes(served: ServeProc) -> None:
+    doc = httpx.get(served.base_url + "/openapi.json", timeout=10).json()
+    assert {"/models/load", "/models/unload"} <= set(doc["paths"])
+
+
+def test_schemathesis_holds_the_load_and_unload_routes_to_the_document(
+        served: ServeProc) -> None:
+    """Drawn bodies (valid and not; derandomized) answered as documented: a status the route
+    lists, the body in its schema, a bad body refused, never a 5xx. A drawn model id is no id
+    of the folder (404), so nothing is loaded or unloaded here."""
+    schema = schemathesis.openapi.from_url(served.base_url + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations() if r.ok().label in MODEL_ROUTES]
+    assert {op.label for op in operations} == MODEL_ROUTES
+    for operation, mode in itertools.product(operations, schemathesis.GenerationMode):
+        @given(case=operation.as_strategy(mode))  # without a mode it draws valid bodies only
+        @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def run(case: schemathesis.Case) -> None:
+            case.call_and_validate(timeout=30, checks=[
+                checks.not_a_server_error, checks.status_code_conformance,
+                checks.content_type_conformance, checks.response_schema_conformance,
+                checks.negative_data_rejection])
+
+        run()
+    assert set(statuses(served).values()) == {"unloaded"}
 
 
 def test_a_request_for_an_unloaded_model_loads_it_and_is_answered(served: ServeProc) -> None:

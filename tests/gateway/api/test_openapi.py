@@ -3,7 +3,8 @@ schemas' bounds, the rules across fields (gateway/api/request_rules.py) and the 
 figures (served model names, vocabulary, context, configured limits), checked against the intake
 itself with one fake worker: a body the document refuses, the route refuses; one it admits, the
 route serves (for what a schema can say: not a grammar that does not compile, nor a prompt's token
-count)."""
+count). With an on-demand pool (`kestrel serve --models-dir`) the document describes POST
+/models/load and /models/unload too, and only then: without one they answer 404."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 from jsonschema import Draft202012Validator
 
+from gateway.api.app import create_app
 from gateway.api.errors import APIError
 from gateway.api.openapi import OpenAPIDocument, server_figures
 from gateway.config import GatewayConfig
@@ -22,6 +25,7 @@ from gateway.engine.engine_client import EngineClient
 from gateway.prompt.intake import Intake
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m
+from tests.gateway.engine.test_on_demand import FakeSpawner
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.prompt.test_intake import http_request
 
@@ -167,3 +171,73 @@ def test_the_document_and_the_route_agree(served: Any, route: str, body: dict[st
     errors = [e.message for e in validator(doc, MODELS[route]).iter_errors(body)]
     assert (not errors) == valid, errors
     assert route_accepts(intake, route, body) == valid
+
+
+MODEL_ROUTES = ("/models/load", "/models/unload")
+
+
+def app_calls(spawner: FakeSpawner | None, *calls: tuple[str, str, Any]) -> list[httpx.Response]:
+    """The real app in-process (no worker joins), asked `calls`: (method, path, JSON body)."""
+    app = create_app(GatewayConfig(), spawner)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            return [await http.request(method, path, json=body) for method, path, body in calls]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        app.state.gateway.client.link.close()
+
+
+def test_without_a_models_dir_the_load_routes_are_not_in_the_document() -> None:
+    doc, *answers = app_calls(None, ("GET", "/openapi.json", None),
+                              *(("POST", path, {"model": "a"}) for path in MODEL_ROUTES))
+    assert not set(MODEL_ROUTES) & set(doc.json()["paths"])
+    assert "ModelRequest" not in doc.json()["components"]["schemas"]
+    assert [a.status_code for a in answers] == [404, 404]  # what the document's silence says
+
+
+def test_with_an_on_demand_pool_the_document_describes_load_and_unload() -> None:
+    [resp] = app_calls(FakeSpawner(["a", "b"]), ("GET", "/openapi.json", None))
+    doc = resp.json()
+    schemas = doc["components"]["schemas"]
+    for schema in schemas.values():
+        Draft202012Validator.check_schema(schema)
+    for path in MODEL_ROUTES:
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        body = schemas[ref.rsplit("/", 1)[-1]]
+        assert body["required"] == ["model"] and body["properties"]["model"]["type"] == "string"
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        assert schemas[ok.rsplit("/", 1)[-1]]["required"] == ["model", "status"]
+        assert {"401", "404", "422", "429", "503"} <= set(op["responses"])
+        for code, answer in op["responses"].items():
+            if code != "200":
+                assert answer["content"]["application/json"]["schema"]["$ref"].endswith(
+                    "/Error")
+    assert "409" in doc["paths"]["/models/unload"]["post"]["responses"]
+    assert "409" not in doc["paths"]["/models/load"]["post"]["responses"]
+
+
+@pytest.mark.parametrize(("body", "valid"), [
+    ({"model": "a"}, OK),
+    ({"model": "a", "other": 1}, OK),  # unknown fields are ignored, as on every route
+    ({"model": ""}, REFUSED),
+    ({"model": 1}, REFUSED),
+    ({"model": None}, REFUSED),
+    ({}, REFUSED),
+    (["a"], REFUSED),
+])
+def test_the_document_and_the_unload_route_agree(body: Any, valid: bool) -> None:
+    spawner = FakeSpawner(["a"])
+    doc, answer = app_calls(spawner, ("GET", "/openapi.json", None),
+                            ("POST", "/models/unload", body))
+    schemas = doc.json()["components"]["schemas"]
+    errors = [e.message for e in validator(doc.json(), "ModelRequest").iter_errors(body)]
+    assert (not errors) == valid, errors
+    assert answer.status_code == (200 if valid else 422), answer.text
+    assert str(answer.status_code) in doc.json()["paths"]["/models/unload"]["post"]["responses"]
+    shape = schemas["ModelStatus"] if valid else schemas["Error"]
+    Draft202012Validator(shape).validate(answer.json())
