@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine_worker.model.gguf_header import (
+    HeaderReader,
     gguf_array_len,
     gguf_string,
     header_digest,
@@ -89,9 +90,17 @@ def test_a_vocabulary_over_the_limit_is_refused_before_any_conversion(
         _converted(path, tmp_path / "cache", weights=False)
 
 
-def _same_as_gguf_reader(path: Path) -> int:
+@pytest.fixture(scope="module")
+def embedded() -> tuple[Path, gguf.GGUFReader]:
+    """The embedded file and gguf-py's reading of it (2.7 s: read once for the module)."""
+    from engine_worker.model.loader import embedded_gguf_path
+
+    return embedded_gguf_path(), gguf.GGUFReader(str(embedded_gguf_path()))
+
+
+def _same_as_gguf_reader(path: Path, reader: gguf.GGUFReader | None = None) -> int:
     ours = tensor_table(path)
-    theirs = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    theirs = {t.name: t for t in (reader or gguf.GGUFReader(str(path))).tensors}
     assert list(ours) == list(theirs)
     for name, ref in theirs.items():
         got = ours[name]
@@ -104,10 +113,9 @@ def _same_as_gguf_reader(path: Path) -> int:
     return len(theirs)
 
 
-def test_the_tensor_table_is_gguf_readers_for_the_embedded_file() -> None:
-    from engine_worker.model.loader import embedded_gguf_path
-
-    assert _same_as_gguf_reader(embedded_gguf_path()) == 272
+def test_the_tensor_table_is_gguf_readers_for_the_embedded_file(
+        embedded: tuple[Path, gguf.GGUFReader]) -> None:
+    assert _same_as_gguf_reader(*embedded) == 272
 
 
 def test_the_tensor_table_is_gguf_readers_for_every_type_and_an_alignment(tmp_path: Path) -> None:
@@ -133,3 +141,39 @@ def test_a_tensor_past_the_end_of_the_file_is_a_value_error(tmp_path: Path) -> N
     cut.write_bytes(data[:-64])  # the header whole, the tensor's data cut short
     with pytest.raises(ValueError, match="runs past the end of the file"):
         tensor_table(cut)
+
+
+def _parsed(reader: object) -> dict:
+    """Every metadata value as transformers' GGUF loader parses it from a reader."""
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    return {name: [_gguf_parse_value(f.parts[i], f.types) for i in f.data]
+            for name, f in reader.fields.items()}  # type: ignore[attr-defined]
+
+
+def test_the_header_reader_gives_transformers_what_gguf_reader_gives(
+        tmp_path: Path, embedded: tuple[Path, gguf.GGUFReader]) -> None:
+    """Every value type, scalars and arrays, as the GGUF loader reads them; and the embedded
+    file's whole metadata (its 49,152 tokens and 48,900 merges) and tensors."""
+    w = gguf.GGUFWriter(str(tmp_path / "types.gguf"), "llama")
+    T = gguf.GGUFValueType
+    values = {T.UINT8: 200, T.INT8: -100, T.UINT16: 60000, T.INT16: -30000, T.UINT32: 4_000_000_000,
+              T.INT32: -2_000_000_000, T.FLOAT32: 0.25, T.UINT64: 2**60, T.INT64: -(2**60),
+              T.FLOAT64: 1e-300, T.BOOL: True, T.STRING: "héllo ☃"}
+    for vtype, value in values.items():
+        w.add_key_value(f"x.{vtype.name}", value, vtype)
+    w.add_array("x.strings", ["", "a", "Ġthe", "☃☃", "x" * 300])
+    w.add_array("x.ints", [-3, 0, 7])
+    w.add_array("x.floats", [0.5, -1.5])
+    w.add_array("x.bools", [True, False])
+    w.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.float32))
+    path = finish(w, tmp_path / "types.gguf")
+    for file, theirs in ((path, gguf.GGUFReader(str(path))), embedded):
+        ours = HeaderReader(file)
+        got, want = _parsed(ours), _parsed(theirs)
+        assert list(got) == list(want)
+        assert got == want
+        for name, f in ours.fields.items():
+            assert f.types == theirs.fields[name].types, name
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    assert _parsed(HeaderReader(path))["x.STRING"] == ["héllo ☃"]
