@@ -42,6 +42,7 @@ TILE = 8  # output rows interleaved per packed block
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22,
                "q6_16": 28}
 OFFSET_FORMATS = ("q4_1", "q8_1")  # w = d*q + m
+LAYOUT = 1  # the packers' output layout; bump when any packer's changes (block caches key by it)
 FORMATS = tuple(BLOCK_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",

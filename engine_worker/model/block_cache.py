@@ -12,8 +12,16 @@ rewriting them (issue 39: the 1.5B Qwen's K-quants took ~9 s of numpy per start)
         through a temporary file and a rename (two workers starting at once both write whole
         files; a reader never sees half of one), read-only (0444)
 
+    packed(key, fmt, raw, n, k):
+        packed/KEY.json and its parts (qs, d, m) as packed/KEY.PART.bin, sealed as above -> the
+        matrix in the integer-dot kernel's layout (int_dot.Packed) over read-only maps of them
+        else int_dot.pack(fmt, raw(), ...), written, then mapped: the layers' packed copies are
+        file pages, not anonymous memory, so two workers of one file share them and the host can
+        take them back under pressure; and a later start does not pack again (~1 s for the
+        1.5B Qwen). KEY names the layer (blk.3.mlp.gate_up_proj); the json holds int_dot.LAYOUT.
+
 A tensor served as stored (Q4_0, Q4_1, Q8_0, Q5_0) is already a view of the file: nothing is
-written for it. A .bin whose seal does not match (a disk error, an edit) is rebuilt, never
+written for it (its packed layout is). A .bin whose seal does not match (a disk error, an edit) is rebuilt, never
 served. Where the folder cannot be written, the rewrite is served and the cache skipped (logged
 once). The checksum reads every cached byte at each start (~2 GB/s with SHA extensions) through
 the file, not the mapping: the pages come into the page cache without being mapped into this
@@ -28,10 +36,15 @@ import logging
 import os
 import shutil
 import uuid
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from engine_worker import int_dot
 
 from engine_worker.model.ggml_types import Blocks, read_tensor
 
@@ -44,6 +57,7 @@ class BlockCache:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.hits = self.writes = 0
+        self.packed_hits = self.packed_writes = 0
         self.writable = True
 
     @classmethod
@@ -68,22 +82,74 @@ class BlockCache:
             self._store(name, blocks)
         return blocks
 
-    def _load(self, name: str) -> Blocks | None:
-        meta_path, bin_path = self.folder / f"{name}.json", self.folder / f"{name}.bin"
+    def packed(self, key: str, fmt: str, raw: Callable[[], Any], n: int, k: int
+               ) -> int_dot.Packed:
+        """The matrix `key` in the kernel's layout, mapped from the cache (see the module)."""
+        got = self._load_packed(key, fmt, n, k)
+        if got is not None:
+            self.packed_hits += 1
+            return got
+        p = int_dot.pack(fmt, raw(), n, k)
+        if not self.writable:
+            return p
+        parts = {"qs": p.qs, "d": p.d} | ({} if p.m is None else {"m": p.m})
+        meta: dict[str, Any] = {"fmt": fmt, "n": n, "k": k, "layout": int_dot.LAYOUT,
+                                "parts": {}}
         try:
-            meta = json.loads(meta_path.read_text())
-            with open(bin_path, "rb") as f:  # one open file: the bytes checked are those mapped
-                if os.fstat(f.fileno()).st_size != meta["bytes"]:
+            (self.folder / "packed").mkdir(parents=True, exist_ok=True)
+            for part, t in parts.items():
+                data = t.numpy().data
+                meta["parts"][part] = {"dtype": t.numpy().dtype.str, "shape": list(t.shape),
+                                       "bytes": t.numpy().nbytes,
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+                _write(self.folder / "packed" / f"{key}.{part}.bin", data)
+            _write(self.folder / "packed" / f"{key}.json", json.dumps(meta).encode())
+        except OSError as exc:
+            self.writable = False
+            log.warning("block cache: cannot write under %s (%s); serving without it",
+                        self.folder, exc)
+            return p
+        self.packed_writes += 1
+        return self._load_packed(key, fmt, n, k) or p
+
+    def _load_packed(self, key: str, fmt: str, n: int, k: int) -> int_dot.Packed | None:
+        folder = self.folder / "packed"
+        try:
+            meta = json.loads((folder / f"{key}.json").read_text())
+            if (meta["fmt"], meta["n"], meta["k"], meta["layout"]) != (fmt, n, k, int_dot.LAYOUT):
+                return None
+            tensors = {}
+            for part, info in meta["parts"].items():
+                raw = self._sealed(folder / f"{key}.{part}.bin", info)
+                if raw is None:
                     return None
-                if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
-                    log.warning("block cache: %s does not match its seal; rewriting it",
-                                bin_path)
-                    return None
-                raw = np.memmap(f, dtype=np.dtype(meta["dtype"]), mode="r",
-                                shape=tuple(meta["shape"]))
+                with warnings.catch_warnings():  # a read-only map: the kernel only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    tensors[part] = torch.from_numpy(raw)
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return Blocks(meta["fmt"], raw, int(meta["n"]), int(meta["k"]))
+        return int_dot.Packed(fmt, n, k, tensors["qs"], tensors["d"], tensors.get("m"))
+
+    def _load(self, name: str) -> Blocks | None:
+        try:
+            meta = json.loads((self.folder / f"{name}.json").read_text())
+            raw = self._sealed(self.folder / f"{name}.bin", meta)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return None if raw is None else Blocks(meta["fmt"], raw, int(meta["n"]), int(meta["k"]))
+
+    @staticmethod
+    def _sealed(path: Path, meta: dict[str, Any]) -> np.memmap | None:
+        """A read-only map of `path` when its size and sha256 are `meta`'s (else None; OSError
+        where it cannot be read). One open file: the bytes checked are those mapped."""
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != meta["bytes"]:
+                return None
+            if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
+                log.warning("block cache: %s does not match its seal; rewriting it", path)
+                return None
+            return np.memmap(f, dtype=np.dtype(meta["dtype"]), mode="r",
+                             shape=tuple(meta["shape"]))
 
     def _store(self, name: str, b: Blocks) -> None:
         raw = np.ascontiguousarray(b.raw)

@@ -233,10 +233,22 @@ def read_tensor(t: Any) -> Blocks:
 
 def cat(parts: list[Blocks]) -> Blocks:
     """Several matrices over the same input, rows one after another (q|k|v, gate|up); mixed
-    formats (the 0.5B Qwen's Q5_0 q/k with a Q8_0 v) are kept apart by the caller."""
+    formats (the 0.5B Qwen's Q5_0 q/k with a Q8_0 v) are kept apart by the caller. The rows
+    are joined when first read: a layer mapped packed from the block cache never reads them."""
     if len(parts) == 1:
         return parts[0]
     if len({p.fmt for p in parts}) != 1:
         raise ValueError("cat: parts in different formats")
-    return Blocks(parts[0].fmt, np.concatenate([p.raw for p in parts]),
-                  sum(p.n for p in parts), parts[0].k)
+    return _Joined(parts)
+
+
+class _Joined(Blocks):
+    """Blocks whose rows are several Blocks' one after another, joined on first read."""
+
+    def __init__(self, parts: list[Blocks]) -> None:  # no super().__init__: raw is computed
+        self.parts = parts
+        self.fmt, self.n, self.k = parts[0].fmt, sum(p.n for p in parts), parts[0].k
+
+    @functools.cached_property
+    def raw(self) -> np.ndarray:  # type: ignore[override]
+        return np.concatenate([p.raw for p in self.parts])

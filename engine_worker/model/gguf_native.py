@@ -31,6 +31,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -120,18 +121,24 @@ class BlockEmbedding(nn.Module):
         return w.to(torch.float32).reshape(*ids.shape, self.embedding_dim)
 
 
+Packer = Callable[[Blocks], int_dot.Packed]
+
+
 def to_module(b: Blocks, plan: MatmulPlan, device: torch.device, head: bool = False,
-              bias: torch.Tensor | None = None) -> nn.Module:
+              bias: torch.Tensor | None = None, pack: Packer | None = None) -> nn.Module:
     """Blocks -> a layer computing x @ w.T (+ bias) by the plan's routes for their format: the
     integer-dot kernel (loaded by the caller) alone, or in front of the packed layer (Linear for
-    float) that takes the rows past its bound."""
+    float) that takes the rows past its bound. `pack`: the blocks in the kernel's layout (the
+    block cache's mapped copy; default: packed here)."""
     routes = plan.routes(b.fmt, head, fits=b.n % 16 == 0)
+    packed = (lambda: int_dot.pack(b.fmt, b.raw, b.n, b.k)) if pack is None else \
+        (lambda: pack(b))
     if routes[0].path == "int_dot" and len(routes) == 1:
-        return IntDotLinear.from_gguf(b.fmt, b.raw, None, 0, b.n, b.k, bias)
+        return IntDotLinear(packed(), None, 0, bias)
     front = routes[0] if routes[0].path == "int_dot" else None
     layer = _packed_module(b, device, routes[1:] if front else routes)
     if front is not None:
-        return IntDotLinear.from_gguf(b.fmt, b.raw, layer, front.upto, b.n, b.k, bias)
+        return IntDotLinear(packed(), layer, front.upto, bias)
     return layer if bias is None else Biased(layer, bias.to(device))
 
 
@@ -223,14 +230,18 @@ def load_gguf_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, norm_kernel=plan.decode_stack)
 
-    def mk(b: Blocks, bias: torch.Tensor | None = None, head: bool = False) -> nn.Module:
-        return to_module(b, plan, device, head, bias)
+    def mk(b: Blocks, bias: torch.Tensor | None = None, head: bool = False,
+           key: str = "") -> nn.Module:
+        pack = None if blocks is None or device.type != "cpu" else (
+            lambda b: blocks.packed(key, b.fmt, lambda: b.raw, b.n, b.k))
+        return to_module(b, plan, device, head, bias, pack)
 
     floats: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         for target, (parts, biases) in _layer_parts(tensors, i, cfg, read).items():
             parent, _, attr = target.rpartition(".")
-            setattr(layer.get_submodule(parent), attr, _fused(parts, biases, mk))
+            setattr(layer.get_submodule(parent), attr,
+                    _fused(parts, biases, mk, f"blk.{i}.{target}"))
         for suffix, name in _NORMS.items():
             floats[f"model.layers.{i}.{name}"] = _float(tensors[f"blk.{i}.{suffix}.weight"])
         if (i + 1) % 10 == 0 or i + 1 == cfg.num_layers:
@@ -241,12 +252,12 @@ def load_gguf_model(
     head = read(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
     if head is None and embed.kind == "int8" and not plan.int_dot_all:
-        table = mk(embed, head=True)  # tied: the head and the embedding read one INT8 table
+        table = mk(embed, head=True, key="lm_head")  # tied: one INT8 table for both
         rows = table.fallback if isinstance(table, IntDotLinear) else table
         model.model.embed_tokens = Int8GroupEmbedding(rows, torch.float32)  # type: ignore
         model.lm_head = table
     else:
-        model.lm_head = mk(embed if head is None else head, head=True)
+        model.lm_head = mk(embed if head is None else head, head=True, key="lm_head")
         model.model.embed_tokens = (
             nn.Embedding.from_pretrained(torch.from_numpy(embed.raw).to(device), freeze=True)
             if embed.fmt == "float" else BlockEmbedding(embed, device))  # type: ignore
@@ -263,7 +274,8 @@ def load_gguf_model(
     _trim_heap()  # the numpy temporaries of the rewrite are gone: give their pages back
     log.info("gguf-native weights loaded in %.1f s%s", time.monotonic() - t0,
              "" if blocks is None else f" ({blocks.hits} tensors from the block cache, "
-             f"{blocks.writes} written to it)")
+             f"{blocks.writes} written to it; {blocks.packed_hits} packed layers mapped, "
+             f"{blocks.packed_writes} written)")
     return model
 
 
@@ -280,13 +292,15 @@ def _trim_heap() -> None:
 
 
 def _fused(blocks: list[Blocks], biases: list[torch.Tensor | None],
-           mk: Any) -> nn.Module:
-    """One layer for matrices over the same input: one matmul when they share a format."""
+           mk: Any, key: str) -> nn.Module:
+    """One layer for matrices over the same input: one matmul when they share a format. `key`
+    names it in the block cache (its parts: KEY.0, KEY.1, ...)."""
     bias = None if all(b is None for b in biases) else torch.cat(
         [torch.zeros(p.n) if b is None else b for p, b in zip(blocks, biases, strict=True)])
     if len({b.fmt for b in blocks}) == 1:
-        return mk(cat(blocks), bias)
-    return Parts([mk(p, b) for p, b in zip(blocks, biases, strict=True)])
+        return mk(cat(blocks), bias, key=key)
+    return Parts([mk(p, b, key=f"{key}.{j}")
+                  for j, (p, b) in enumerate(zip(blocks, biases, strict=True))])
 
 
 def _layer_parts(tensors: dict[str, Any], i: int, cfg: ModelConfig | None = None,

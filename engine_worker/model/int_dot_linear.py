@@ -36,11 +36,6 @@ class IntDotLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.table = ((self.max_rows, "_int_dot"), (ALL, "_fallback"))
 
-    @classmethod
-    def from_gguf(cls, fmt: str, raw: object, fallback: nn.Module | None, max_rows: int,
-                  n: int, k: int, bias: torch.Tensor | None = None) -> IntDotLinear:
-        return cls(int_dot.pack(fmt, raw, n, k), fallback, max_rows, bias)  # type: ignore[arg-type]
-
     def _int_dot(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         xf = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()

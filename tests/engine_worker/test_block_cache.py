@@ -175,3 +175,48 @@ def test_a_record_that_is_not_a_probe_s_is_ignored(tmp_path: Path, body: str) ->
     record.path.write_text(body)
     costs = StepCosts(512)
     assert not record.seed(costs) and costs.points() == {"decode": [], "prefill": []}
+
+
+def _mapped_files(t: torch.Tensor) -> set[str]:
+    """The files whose mapping holds the tensor's first byte (/proc/self/maps)."""
+    at = t.data_ptr()
+    out = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= at < hi and len(rest) >= 5:
+            out.add(rest[4])
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_the_packed_layers_are_pages_of_the_cache_mapped_by_every_load(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
+    """The kernel's packed copies are written once and mapped: file pages two workers of one
+    file share, not anonymous memory each builds; a second load packs nothing and computes
+    the same logits; a damaged packed part is packed again, never served."""
+    from engine_worker.model.int_dot_linear import IntDotLinear
+
+    path, cfg = qwen
+    plain = load(path, cfg, None)
+    first = BlockCache.beside(path, tmp_path)
+    assert torch.equal(load(path, cfg, first), plain)
+    assert first.packed_writes > 0 and first.packed_hits == 0
+    second = BlockCache.beside(path, tmp_path)
+    model = load_gguf_model(path, cfg, "cpu", plan=MatmulPlan(int_dot_all=True),  # type: ignore
+                            blocks=second)
+    assert torch.equal(_logits(model, PROMPT), plain)
+    assert second.packed_hits == first.packed_writes and second.packed_writes == 0
+    layers = [m for m in model.modules() if isinstance(m, IntDotLinear)]
+    assert len(layers) == first.packed_writes
+    for m in layers:
+        files = _mapped_files(m.packed.qs) | _mapped_files(m.packed.d)
+        assert files and all(f.startswith(str(second.folder / "packed")) for f in files), files
+    victim = sorted((second.folder / "packed").glob("*.qs.bin"))[0]
+    os.chmod(victim, 0o644)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    third = BlockCache.beside(path, tmp_path)
+    assert torch.equal(load(path, cfg, third), plain)
+    assert third.packed_writes == 1 and third.packed_hits == first.packed_writes - 1
