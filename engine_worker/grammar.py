@@ -69,7 +69,8 @@ class GrammarCompiler:
     llguidance's tokenizer is built on the first grammar, not at start: it holds about 130 MiB
     for a 151,936-token vocabulary (0.7 s to build; 0.2 s for SmolLM2's 49k), which a worker
     that never sees structured output should not carry (issue 39's memory). The first grammar
-    is built on the grammar thread (grammar_builds), so that wait is not the engine's."""
+    is built on the grammar thread (grammar_builds), but llguidance holds the GIL while it
+    builds the tokenizer: running streams wait that long once, on a worker's first grammar."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         if not eos_token_ids:
