@@ -44,6 +44,14 @@ def load(path: Path, cfg: object, cache: BlockCache | None) -> torch.Tensor:
     return _logits(model, PROMPT)
 
 
+def damage(path: Path) -> None:
+    """Flip one byte in the middle of a cached (read-only) file."""
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_a_second_load_maps_every_rewritten_tensor_and_computes_the_same_logits(
         int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path) -> None:
     path, cfg = qwen
@@ -66,11 +74,7 @@ def test_a_damaged_cached_tensor_is_rewritten_not_served(
     plain = load(path, cfg, None)
     cache = BlockCache.beside(path, tmp_path)
     load(path, cfg, cache)
-    victim = sorted(cache.folder.glob("*.bin"))[0]
-    os.chmod(victim, 0o644)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    damage(sorted(cache.folder.glob("*.bin"))[0])
     again = BlockCache.beside(path, tmp_path)
     assert torch.equal(load(path, cfg, again), plain)
     assert again.writes == 1 and again.hits == cache.writes - 1
@@ -212,11 +216,7 @@ def test_the_packed_layers_are_pages_of_the_cache_mapped_by_every_load(
     for m in layers:
         files = _mapped_files(m.packed.qs) | _mapped_files(m.packed.d)
         assert files and all(f.startswith(str(second.folder / "packed")) for f in files), files
-    victim = sorted((second.folder / "packed").glob("*.qs.bin"))[0]
-    os.chmod(victim, 0o644)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    damage(sorted((second.folder / "packed").glob("*.qs.bin"))[0])
     third = BlockCache.beside(path, tmp_path)
     assert torch.equal(load(path, cfg, third), plain)
     assert third.packed_writes == 1 and third.packed_hits == first.packed_writes - 1
