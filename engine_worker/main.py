@@ -12,7 +12,6 @@ the model is loaded, so the gateway's readiness follows the model's.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import queue
@@ -30,6 +29,7 @@ from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.engine_surface import EngineSurface
 from engine_worker.grammar_builds import GrammarBuilds
+from engine_worker.memory_budget import trim_heap
 from engine_worker.naming import served_names
 from protocol import messages as m
 from protocol.codec import hello_over_limit, tokenizer_digest
@@ -189,17 +189,6 @@ class WorkerLoop:
         if arrival is not None:  # monotonic -> wall clock, for comparing with the client's
             fields["cancel_received_ts"] = time.time() - (time.monotonic() - arrival)
         log.info("request ended", extra={"fields": fields})
-
-
-def trim_heap() -> None:
-    """Give the host back the heap this process freed: glibc keeps it for reuse (after start-up
-    the GGUF's parsed metadata, the packing's temporaries, the Hello's tokenizer json: ~80 MiB for
-    the 1.5B Qwen; after a burst, the steps' activations: ~180 MiB). A few ms. Not glibc (musl,
-    macOS): nothing to do."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def release_free_memory() -> None:

@@ -21,11 +21,12 @@ rewriting them (issue 39: the 1.5B Qwen's K-quants took ~9 s of numpy per start)
         1.5B Qwen). KEY names the layer (blk.3.mlp.gate_up_proj); the json holds int_dot.LAYOUT.
 
 A tensor served as stored (Q4_0, Q4_1, Q8_0, Q5_0) is already a view of the file: nothing is
-written for it (its packed layout is). A .bin whose seal does not match (a disk error, an edit) is rebuilt, never
-served. Where the folder cannot be written, the rewrite is served and the cache skipped (logged
-once). The checksum reads every cached byte at each start (~2 GB/s with SHA extensions) through
-the file, not the mapping: the pages come into the page cache without being mapped into this
-process, so a tensor read in place (the token embedding) holds only the rows it looks up.
+written for it (its packed layout is). A .bin whose seal does not match (a disk error, an edit)
+is rebuilt, never served. Where the folder cannot be written, the rewrite is served and the
+cache skipped (logged once). The checksum reads every cached byte at each start (~2 GB/s with
+SHA extensions) through the file, not the mapping: the pages come into the page cache without
+being mapped into this process, so a tensor read in place (the token embedding) holds only the
+rows it looks up.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ import numpy as np
 import torch
 
 from engine_worker import int_dot
-
 from engine_worker.model.ggml_types import Blocks, read_tensor
 
 log = logging.getLogger("kestrel.gguf")
 
-FORMAT = 2  # 2: Q6_K as q6_16 (was q8_16). Bump when ggml_types' rewrite of any type changes its output
+# bump when ggml_types' rewrite of any type changes its output (2: Q6_K as q6_16, was q8_16)
+FORMAT = 2
 
 
 class BlockCache:
@@ -93,17 +94,13 @@ class BlockCache:
         if not self.writable:
             return p
         parts = {"qs": p.qs, "d": p.d} | ({} if p.m is None else {"m": p.m})
-        meta: dict[str, Any] = {"fmt": fmt, "n": n, "k": k, "layout": int_dot.LAYOUT,
-                                "parts": {}}
+        folder = self.folder / "packed"
         try:
-            (self.folder / "packed").mkdir(parents=True, exist_ok=True)
-            for part, t in parts.items():
-                data = t.numpy().data
-                meta["parts"][part] = {"dtype": t.numpy().dtype.str, "shape": list(t.shape),
-                                       "bytes": t.numpy().nbytes,
-                                       "sha256": hashlib.sha256(data).hexdigest()}
-                _write(self.folder / "packed" / f"{key}.{part}.bin", data)
-            _write(self.folder / "packed" / f"{key}.json", json.dumps(meta).encode())
+            folder.mkdir(parents=True, exist_ok=True)
+            sealed = {part: _sealed_write(folder / f"{key}.{part}.bin", t.numpy())
+                      for part, t in parts.items()}
+            _write(folder / f"{key}.json", json.dumps({
+                "fmt": fmt, "n": n, "k": k, "layout": int_dot.LAYOUT, "parts": sealed}).encode())
         except OSError as exc:
             self.writable = False
             log.warning("block cache: cannot write under %s (%s); serving without it",
@@ -152,19 +149,24 @@ class BlockCache:
                              shape=tuple(meta["shape"]))
 
     def _store(self, name: str, b: Blocks) -> None:
-        raw = np.ascontiguousarray(b.raw)
-        meta = {"fmt": b.fmt, "n": b.n, "k": b.k, "dtype": raw.dtype.str,
-                "shape": list(raw.shape), "bytes": raw.nbytes,
-                "sha256": hashlib.sha256(raw.data).hexdigest()}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            _write(self.folder / f"{name}.bin", raw.data)
-            _write(self.folder / f"{name}.json", json.dumps(meta).encode())
+            seal = _sealed_write(self.folder / f"{name}.bin", b.raw)
+            _write(self.folder / f"{name}.json",
+                   json.dumps({"fmt": b.fmt, "n": b.n, "k": b.k, **seal}).encode())
             self.writes += 1
         except OSError as exc:
             self.writable = False
             log.warning("block cache: cannot write under %s (%s); serving without it",
                         self.folder, exc)
+
+
+def _sealed_write(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """Write the array's bytes to `path` (see _write); its seal as `_sealed` reads it."""
+    raw = np.ascontiguousarray(array)
+    _write(path, raw.data)
+    return {"dtype": raw.dtype.str, "shape": list(raw.shape), "bytes": raw.nbytes,
+            "sha256": hashlib.sha256(raw.data).hexdigest()}
 
 
 def _write(path: Path, data: Any) -> None:

@@ -3,9 +3,10 @@
 
     [magic, version, n_tensors, n_kv] [n_kv metadata entries] [n_tensors tensor infos] | data
 
-`gguf_string` reads one metadata string, `gguf_array_len` one array's length; `HeaderReader` all
-of the metadata at once, in the shape transformers' GGUF loader reads from a GGUFReader (its
-config and tokenizer conversion: 0.3 s instead of 10 s for Qwen2.5's 151,936 tokens); `header_digest`
+`gguf_string` reads one metadata string, `gguf_array_len` one array's length; `HeaderReader`
+all of the metadata at once, in the shape transformers' GGUF loader reads from a GGUFReader
+(its config and tokenizer conversion: 0.3 s instead of 10 s for Qwen2.5's 151,936 tokens);
+`header_digest`
 hashes everything before the data (the metadata and the tensor table), the part a conversion
 reads: the converted-model cache is keyed by it, so an edit of a token id or a template is seen
 even when the file keeps its size. `tensor_table` lists the tensors as GGUFReader does (its own
@@ -221,14 +222,13 @@ class HeaderReader:
         path = Path(path)
         self.fields: dict[str, HeaderField] = {}
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            entries = _entries(path, buf)  # checks the header first
-            first = next(entries, None)
+            entries = list(_entries(path, buf))  # checks the header first
             version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
             for name, vtype, value in (("GGUF.version", 4, version),
                                        ("GGUF.tensor_count", 10, n_tensors),
                                        ("GGUF.kv_count", 10, n_kv)):  # as GGUFReader lists them
                 self.fields[name] = HeaderField(name, [vtype], [[value]])
-            for raw, vtype, pos in [first] + list(entries) if first else []:
+            for raw, vtype, pos in entries:
                 name = bytes(raw).decode("utf-8")
                 if vtype == _ARRAY:
                     sub, count = struct.unpack_from("<IQ", buf, pos)

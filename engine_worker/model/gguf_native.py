@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from engine_worker import int_dot
+from engine_worker.memory_budget import trim_heap
 from engine_worker.model import ggml_types
 from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.config import ModelConfig
@@ -131,14 +132,13 @@ def to_module(b: Blocks, plan: MatmulPlan, device: torch.device, head: bool = Fa
     float) that takes the rows past its bound. `pack`: the blocks in the kernel's layout (the
     block cache's mapped copy; default: packed here)."""
     routes = plan.routes(b.fmt, head, fits=b.n % 16 == 0)
-    packed = (lambda: int_dot.pack(b.fmt, b.raw, b.n, b.k)) if pack is None else \
-        (lambda: pack(b))
+    pack = pack or (lambda b: int_dot.pack(b.fmt, b.raw, b.n, b.k))
     if routes[0].path == "int_dot" and len(routes) == 1:
-        return IntDotLinear(packed(), None, 0, bias)
+        return IntDotLinear(pack(b), None, 0, bias)
     front = routes[0] if routes[0].path == "int_dot" else None
     layer = _packed_module(b, device, routes[1:] if front else routes)
     if front is not None:
-        return IntDotLinear(packed(), layer, front.upto, bias)
+        return IntDotLinear(pack(b), layer, front.upto, bias)
     return layer if bias is None else Biased(layer, bias.to(device))
 
 
@@ -271,24 +271,12 @@ def load_gguf_model(
     factors = tensors.get("rope_freqs.weight")
     model.init_rope(max_positions or cfg.max_position_embeddings, device, torch.float32,
                     None if factors is None or cfg.rope_scaling else _float(factors))
-    _trim_heap()  # the numpy temporaries of the rewrite are gone: give their pages back
+    trim_heap()  # the numpy temporaries of the rewrite are gone: give their pages back
     log.info("gguf-native weights loaded in %.1f s%s", time.monotonic() - t0,
              "" if blocks is None else f" ({blocks.hits} tensors from the block cache, "
              f"{blocks.writes} written to it; {blocks.packed_hits} packed layers mapped, "
              f"{blocks.packed_writes} written)")
     return model
-
-
-def _trim_heap() -> None:
-    """glibc keeps freed heap pages mapped; malloc_trim returns them (~100 MB for a 0.5B file)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)  # type: ignore[arg-type]
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to do
 
 
 def _fused(blocks: list[Blocks], biases: list[torch.Tensor | None],

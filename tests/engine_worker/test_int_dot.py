@@ -1,8 +1,9 @@
 """The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
-and Q8_0 weights made by the `gguf` package, and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K and
-Q6_K are rewritten to, and Q6_K's codes as 8 bits): equal to the Q8-activation reference within float32
-accumulation, within the activations' 8-bit rounding of the float truth, the same bits for a row
-alone or in a batch, clear errors on bad input, and the ISA path the build was capped to.
+and Q8_0 weights made by the `gguf` package, and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K
+and Q6_K are rewritten to, and Q6_K's codes as 8 bits): equal to the Q8-activation reference
+within float32 accumulation, within the activations' 8-bit rounding of the float truth, the
+same bits for a row alone or in a batch, clear errors on bad input, and the ISA path the build
+was capped to.
 
 Runs under `make test` (native) and `make test-avx2` (KESTREL_CPU_ISA=avx2 builds the AVX2 path).
 """
