@@ -89,6 +89,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 8;      // output rows interleaved per block
 constexpr int64_t kRowGroup = 64;  // activation rows whose codes stay in cache across tiles
 constexpr int kChunk = 4;          // activation rows that share one pass over a tile's weights
+constexpr int64_t kAhead = 2;      // prefetch distance in work items (tiles, or pairs of tiles)
 
 enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16 };
 
@@ -195,12 +196,34 @@ inline __m256i top2(__m256i plane) {
 }
 #endif
 
+// Software prefetch of block b of `count` tiles starting `ahead` tiles after this one (weights
+// and scales), issued by the first pass over a tile. The hardware's prefetchers alone follow the
+// six streams of a pair of tiles (two of codes, two of scales, two of offsets) too late: with
+// this, the 1.5B's layers at one row went from 32 to 36 GB/s and at 16 rows from 73.5 to 56.8 ms
+// (Zen 5, 2 threads). Scales are fetched a cache line (32 of them) at a time.
+// (always inlined: a call would make the caller spill its vector registers every block)
+template <Fmt F>
+[[gnu::always_inline]] inline void prefetch_block(const uint8_t* qs, const uint16_t* dw,
+                                                  const uint16_t* mw, int64_t blocks, int64_t b,
+                                                  int64_t ahead, int count) {
+  constexpr int64_t pb = packed_bytes(F), sp = scales_per(F);
+  for (int i = 0; i < count; ++i) {
+    const int64_t tile = ahead + i;
+    const uint8_t* wb = qs + tile * blocks * pb + b * pb;
+    for (int64_t off = 0; off < pb; off += 64) __builtin_prefetch(wb + off, 0, 3);
+    if ((b * sp) % 32 == 0) __builtin_prefetch(dw + tile * blocks * sp + b * sp, 0, 3);
+    if (mw != nullptr && (b * kTile) % 32 == 0) {
+      __builtin_prefetch(mw + tile * blocks * kTile + b * kTile, 0, 3);
+    }
+  }
+}
+
 // One tile (8 output rows) against R activation rows: writes y[r, col .. col+valid).
 // qs: the tile's packed bytes (B * packed_bytes); dw, mw: the tile's (B, 8) scales / offsets.
 template <Fmt F, int R>
 void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
                 const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
-                int64_t valid) {
+                int64_t valid, int64_t ahead) {
   constexpr int64_t pb = packed_bytes(F);
   float out[R][kTile];
 #if defined(KESTREL_SIMD)
@@ -212,6 +235,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
+    if (ahead > 0) prefetch_block<F>(qs, dw, mw, blocks, b, ahead, 1);
     constexpr int64_t sp = scales_per(F);
     const __m256 dwv = load8h(dw + b * sp);
     if constexpr (is_q8(F)) {
@@ -466,7 +490,7 @@ inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16
 template <Fmt F, int R>
 void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
                  const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
-                 int64_t valid) {
+                 int64_t valid, int64_t ahead) {
   constexpr int64_t pb = packed_bytes(F);
   constexpr int64_t sp = scales_per(F);
   const int64_t tile_bytes = blocks * pb, tile_scales = blocks * sp;
@@ -476,6 +500,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
+    if (ahead > 0) prefetch_block<F>(qs, dw, mw, blocks, b, ahead, 2);
     const __m512 dwv = load2(dw + b * sp, dw + tile_scales + b * sp);
     if constexpr (is_q8(F)) {
       __m512i wabs[8];
@@ -606,6 +631,15 @@ void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
   });
 }
 
+// fn.template operator()<R>() for R = rows (1..kChunk), each row count its own unrolled body
+template <int R = 1, class Fn>
+inline void with_rows(int64_t rows, const Fn& fn) {
+  if constexpr (R < kChunk) {
+    if (rows > R) return with_rows<R + 1>(rows, fn);
+  }
+  fn.template operator()<R>();
+}
+
 template <Fmt F>
 at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                    const c10::optional<at::Tensor>& m, int64_t n) {
@@ -672,24 +706,20 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
       if (t + 1 < tiles) {
         const int64_t col = t * kTile, valid = std::min(2 * kTile, n - col);
         for (int64_t r0 = g0; r0 < g1; r0 += kChunk) {
-          switch (std::min<int64_t>(kChunk, g1 - r0)) {
-            case 1: tile2_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-            case 2: tile2_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-            case 3: tile2_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-            default: tile2_chunk<F, 4>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-          }
+          with_rows(std::min<int64_t>(kChunk, g1 - r0), [&]<int R>() {
+            tile2_chunk<F, R>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid,
+                              r0 == g0 && t + 2 * kAhead + 1 < tiles ? 2 * kAhead : 0);
+          });
         }
         continue;
       }
 #endif
       const int64_t col = t * kTile, valid = std::min(kTile, n - col);
       for (int64_t r0 = g0; r0 < g1; r0 += kChunk) {
-        switch (std::min<int64_t>(kChunk, g1 - r0)) {
-          case 1: tile_chunk<F, 1>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-          case 2: tile_chunk<F, 2>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-          case 3: tile_chunk<F, 3>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-          default: tile_chunk<F, 4>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid); break;
-        }
+        with_rows(std::min<int64_t>(kChunk, g1 - r0), [&]<int R>() {
+          tile_chunk<F, R>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid,
+                           r0 == g0 && t + kAhead < tiles ? kAhead : 0);
+        });
       }
     }
   });
