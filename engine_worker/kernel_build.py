@@ -171,6 +171,15 @@ def prebuild(root: Path, levels: tuple[str, ...] = tuple(PORTABLE),
     return written
 
 
+def sources_digest() -> str:
+    """A digest of every kernel's source (csrc/*.cpp): what a record of measured step costs is
+    keyed by beside the host, since an edited kernel changes what a step costs."""
+    h = hashlib.sha256()
+    for src in sorted(CSRC.glob("*.cpp")):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _source_key(name: str) -> str:
     h = hashlib.sha256((CSRC / f"{name}.cpp").read_bytes())
     h.update(" ".join(cflags()).encode())

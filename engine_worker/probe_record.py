@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engine_worker import kernel_build
 from engine_worker.kernel_build import _cpu_flags
 from engine_worker.step_costs import StepCosts
 
@@ -60,6 +61,7 @@ class ProbeRecord:
             "format": FORMAT, "cpu": _cpu_model(), "flags": _cpu_flags(),
             "cores": os.cpu_count(), "caps": {v: os.environ.get(v, "") for v in CAP_VARS},
             "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "kernels": kernel_build.sources_digest(),
             "model": [str(model.resolve()), st.st_size, st.st_mtime_ns],
             "dtype": runner.dtype_name, "device": str(runner.device),
             "paged": runner.paged_decode, "stack": runner.use_stack, "plan": runner.plan.describe(),

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine_worker import kernel_build
 from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.loader import load_config
@@ -146,9 +147,9 @@ def test_a_probe_is_reused_whatever_the_kv_cache_s_size(tmp_path: Path) -> None:
     assert not ProbeRecord.for_runner(tmp_path, short, {}).seed(StepCosts(512))
 
 
-@pytest.mark.parametrize("change", ["settings", "dtype", "model file", "threads"])
-def test_a_probe_is_not_reused_for_another_setting_model_or_thread_count(
-        tmp_path: Path, change: str) -> None:
+@pytest.mark.parametrize("change", ["settings", "dtype", "model file", "threads", "kernels"])
+def test_a_probe_is_not_reused_for_another_setting_model_thread_count_or_kernel(
+        tmp_path: Path, change: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
     ProbeRecord.for_runner(tmp_path, runner_like(model), {"max_num_seqs": 32}).save(measured())
@@ -160,6 +161,12 @@ def test_a_probe_is_not_reused_for_another_setting_model_or_thread_count(
         runner = runner_like(model, dtype_name="bfloat16")
     elif change == "model file":
         model.write_bytes(b"xy")
+    elif change == "kernels":  # an edited kernel: its steps cost what they cost now
+        csrc = tmp_path / "csrc"
+        csrc.mkdir()
+        for src in kernel_build.CSRC.glob("*.cpp"):
+            (csrc / src.name).write_bytes(src.read_bytes() + b"\n// edited\n")
+        monkeypatch.setattr(kernel_build, "CSRC", csrc)
     else:
         torch.set_num_threads(threads + 1)
     try:
