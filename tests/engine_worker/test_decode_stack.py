@@ -57,6 +57,33 @@ def test_decode_rows_through_the_stack_equal_the_python_layers_bit_for_bit(
     assert not torch.equal(_decode_both_ways(runner, other)[0][0][0], fast[0])
 
 
+def test_a_mixed_step_on_the_integer_dot_kernel_is_one_pass_with_the_stacks_bits(
+        int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows beside a prompt chunk meet it in the same matmuls (the stack would read the
+    weights a second time), and their logits are still those of the decode-only step."""
+    kind, path, ref, _ = family
+    runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
+    assert runner.plan.int_dot_all and runner.decode_stack is not None
+    calls: list[int] = []
+    stack = runner.decode_stack
+    monkeypatch.setattr(runner, "decode_stack", lambda x, *a: calls.append(len(x)) or stack(x, *a))
+    prompts = [PROMPT, PROMPT[:7]]
+    for p, table in zip(prompts, TABLES[:2], strict=True):
+        runner.execute([StepItem(p, 0, table)])
+    decodes = [StepItem([40 + i], len(p), t)
+               for i, (p, t) in enumerate(zip(prompts, TABLES[:2], strict=True))]
+    kv = runner.kv_cache
+    saved = [t.clone() for t in kv.k + kv.v]
+    alone = runner.execute(decodes)
+    assert calls == [2]  # a decode-only step: the stack
+    for t, s in zip(kv.k + kv.v, saved, strict=True):
+        t.copy_(s)
+    mixed = runner.execute([*decodes, StepItem(PROMPT[3:], 0, TABLES[2])])
+    assert calls == [2], "the mixed step ran its decode rows through the stack too"
+    assert mixed.shape[0] == 3 and torch.equal(mixed[:2], alone), kind
+
+
 def test_the_stack_is_refused_where_it_was_not_built(tiny_runner: ModelRunner) -> None:
     assert tiny_runner.decode_stack is None  # float32 layers: nothing for the kernel
     with pytest.raises(ValueError, match="decode stack"):
