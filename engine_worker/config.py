@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.settings import setting
 from engine_worker.memory_budget import parse_kv_memory
+from engine_worker.step_costs import DEFAULT_PREFILL_SHARE
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
@@ -98,16 +99,15 @@ class WorkerConfig:
     max_num_batched_tokens: int = setting(512, "most token rows one engine step computes (a cap: "
                                           "a step's prompt rows are sized by its measured time, "
                                           "see --step-prefill-share)")
-    step_prefill_share: float = setting(0.75, "while sequences decode, the share of a step's "
-                                        "time that prompt rows may take, by the step costs "
-                                        "measured on this host (0.75: a step carrying a prompt "
-                                        "chunk lasts at most 4x a decode step); 0: off, "
-                                        "--max-num-batched-tokens alone sizes steps")
-    step_floor_ms: float = setting(1000.0, "a step carrying prompt rows may last this long "
-                                   "whatever --step-prefill-share says (fewer, larger chunks "
-                                   "pay the prompt path's fixed cost less often): the longest "
-                                   "a decoder waits for a prompt chunk where a decode step is "
-                                   "short")
+    step_prefill_share: float = setting(DEFAULT_PREFILL_SHARE, "while sequences decode, the "
+                                        "share of a step carrying prompt rows that they may "
+                                        "take, measured against a lone decoder's step on this "
+                                        "host (2/3: such a step lasts at most 3x a one-stream "
+                                        "decode step); 0: off, --max-num-batched-tokens alone "
+                                        "sizes steps")
+    step_floor_ms: float = setting(0.0, "a step carrying prompt rows may last this long "
+                                   "whatever --step-prefill-share says: fewer, larger prompt "
+                                   "chunks for longer gaps between a decoder's tokens (0: off)")
     pooling: str = setting("mean", "how /v1/embeddings pools an input's last hidden states "
                            "into its vector: mean (over its tokens) or last (its last token's)")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",

@@ -30,7 +30,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.decoder import SpecDecoder
 from engine_worker.step import SamplerInput, ScheduledChunk, StepItem
-from engine_worker.step_costs import StepCosts
+from engine_worker.step_costs import DEFAULT_PREFILL_SHARE, StepCosts
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.engine")
@@ -57,8 +57,8 @@ class Engine:
         enable_prefix_caching: bool = True,
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
-        prefill_share: float = 0.75,
-        step_floor_s: float = 1.0,
+        prefill_share: float = DEFAULT_PREFILL_SHARE,
+        step_floor_s: float = 0.0,
         pooling: str = "mean",
     ) -> None:
         self.runner = runner
@@ -68,7 +68,8 @@ class Engine:
         self.errors: list[m.RequestError] = []  # ended by the engine itself (pop_errors)
         # Measured step costs size each step's prompt rows (0: the token budget alone); they are
         # measured, and reported to the gateway, either way.
-        self.costs = StepCosts(max_num_batched_tokens, prefill_share or 0.75, step_floor_s)
+        self.costs = StepCosts(max_num_batched_tokens, prefill_share or DEFAULT_PREFILL_SHARE,
+                               step_floor_s)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

@@ -7,19 +7,23 @@ step may therefore carry. No torch.
     Scheduler.schedule() ──prefill_rows(decode_rows)──▶ this step's prefill rows
     heartbeat ──report()──▶ m.StepCosts: the gateway's admission estimate and /metrics
 
-The policy (stall-free batching, as Sarathi-Serve's): while sequences decode, prefill may take
-`prefill_share` of a step, so a step that carries a prompt's chunk lasts at most
-decode(D) / (1 - share): 4x a decode step at the default 0.75, on any host and any model,
-because both sides of that ratio are measured here. Why 0.75: on a CPU a prompt row costs about
-what a decode row does, so a chat load whose prompts are r times its answers needs r / (r + 1)
-of the compute for prompts (ShareGPT-like chats: r of 1.5 to 3, so 60-75 %); a smaller share
-leaves prompts queued and the batch shrinking. A step only carries prompt rows that wait, so the
-share is a bound, not a quota. And a step with prompt rows may last `step_floor_s` anyway (1 s
-by default: about the longest a decoder waits for a prompt chunk), because every such step also
-pays the prompt path's fixed cost: chunks of a few dozen rows paid it so often that SmolLM2's 16
-streams on a 2-core EPYC fell from 110 to 78 tok/s against 512-row chunks (whose step lasts
-1.2 s there; the 1.5B Qwen's 8 s). With nothing decoding there is nobody to stall: prefill takes
-the whole row cap (--max-num-batched-tokens) for throughput.
+The policy (stall-free batching, as Sarathi-Serve's): while sequences decode, a step that carries
+prompt rows lasts at most decode(1) / (1 - prefill_share), a multiple of a lone decoder's step,
+whatever the number decoding, on any host and any model, because both sides are measured here.
+That is what bounds the gaps a client sees between its tokens: issue 36 asks for an ITL p99 within
+4x the one-stream ITL p50. The default share, 2/3, aims steps at 3x, not 4x: a client's gap adds
+to the engine's step the frames' trip and the host's jitter (the gateway and the clients share
+the cores on a small host), about 25 ms at the p99 on the 1.5B Qwen on a 2-core Zen 5, where a
+4x aim gave an ITL p99 of 148-157 ms against a 4x bound of 116-140, and a 3x aim 112-126 ms.
+Before, the bound was 4x the step of all D decoders with a 1 s floor, and beside 16 decoders a
+decoder waited up to 1 s for a prompt chunk (the ITL p99 was 1 s). Where D decoders alone
+already take about that long (a slow host, many decoders), prompt rows still get
+MIN_PROMPT_SHARE of a step, so prompts always progress. A step only carries prompt rows that
+wait, so the bound is a bound, not a quota. A step's prompt rows meet its decode rows in the
+same matmuls (model/llama.py), so a small chunk costs its rows, not another pass over the
+weights. `step_floor_s` (0 by default) lets a step with prompt rows last that long anyway, for
+an operator who prefers fewer, larger chunks to steady gaps. With nothing decoding there is
+nobody to stall: prefill takes the whole row cap (--max-num-batched-tokens) for throughput.
 
 A mixed step teaches the prefill side what it took beyond the decode estimate; a decode-only step
 teaches the decode side. Costs never seen are borrowed from the nearest bucket measured (decode
@@ -47,6 +51,9 @@ PREFILL_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 STEP_SECONDS_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 PREFILL_ROWS_EDGES = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ALPHA = 0.2  # EWMA weight of the newest step: a few dozen steps make the estimate
+DEFAULT_PREFILL_SHARE = 2 / 3  # steps with prompt rows aimed at 3x a lone decoder's (see above)
+# Where D decoders alone take the one-stream bound, prompt rows still get this share of a step.
+MIN_PROMPT_SHARE = 0.1
 LOG_EVERY_S = 30.0  # the sizing is logged when it changes by a quarter, at most this often
 
 
@@ -81,7 +88,8 @@ class _Histogram:
 
 
 class StepCosts:
-    def __init__(self, max_rows: int, prefill_share: float = 0.75, step_floor_s: float = 1.0,
+    def __init__(self, max_rows: int, prefill_share: float = DEFAULT_PREFILL_SHARE,
+                 step_floor_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < prefill_share < 1:
             raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
@@ -149,11 +157,14 @@ class StepCosts:
         return prefill_row_seconds(list(self._prefill.items()), _bucket(PREFILL_BUCKETS, rows))
 
     def step_target_s(self, decode_rows: int) -> float | None:
-        """The longest a step with `decode_rows` decoders and prompt rows may last: the share,
-        or the floor where that is longer; None: not measured."""
-        base = self.decode_s(decode_rows)
-        return None if base is None else max(base / (1.0 - self.prefill_share),
-                                             self.step_floor_s)
+        """The longest a step with `decode_rows` decoders and prompt rows may last: the share of
+        a lone decoder's step, or, where the decoders alone take about that, their step with
+        MIN_PROMPT_SHARE left to prompts; the floor where that is longer. None: not measured."""
+        one, base = self.decode_s(1), self.decode_s(decode_rows)
+        if one is None or base is None:
+            return None
+        return max(one / (1.0 - self.prefill_share), base / (1.0 - MIN_PROMPT_SHARE),
+                   self.step_floor_s)
 
     def prefill_rows(self, decode_rows: int) -> int:
         """How many prompt rows a step with `decode_rows` decode rows may carry."""

@@ -8,7 +8,7 @@ import pytest
 from common.step_model import decode_seconds, prefill_row_seconds
 from engine_worker.block_manager import BlockManager
 from engine_worker.scheduler import Scheduler
-from engine_worker.step_costs import StepCosts
+from engine_worker.step_costs import MIN_PROMPT_SHARE, StepCosts
 from tests.engine_worker.test_scheduler import EOS, FakeModel, make_seq
 
 # Measured on a 2-vCPU AMD EPYC (AVX2) for Qwen2.5-Coder-1.5B Q4_K_M (Engine.probe, this wave):
@@ -40,18 +40,37 @@ def test_decode_cost_is_linear_between_points_and_extends_from_the_two_widest() 
     assert prefill_row_seconds(buckets, 128) == 0.001
 
 
-def test_with_decoders_a_step_carries_what_fits_in_its_share_of_the_time() -> None:
-    c = costs()
+# Measured on the 2-vCPU Zen 5 (AVX512-VNNI) for the same file after the prefetch change: a decode
+# step of 1 row 33 ms, 16 rows 80 ms; a prompt row beside them 3.7 ms.
+QWEN_15B_ZEN5 = {"decode": [(1, 0.033), (16, 0.080)], "prefill": [(16, 0.0037),
+                                                                  (64, 0.0035)]}
+
+
+def test_with_decoders_a_step_carries_what_fits_in_its_share_of_a_lone_decoders_step() -> None:
+    c = costs(QWEN_15B_ZEN5, share=0.75)
+    one = c.decode_s(1)
     for decoding in (1, 4, 16):
         rows = c.prefill_rows(decoding)
         base = c.decode_s(decoding)
-        assert base is not None and rows >= 1
-        # the step with its prompt rows stays within the target: 2x a decode step at share 0.5
+        assert base is not None and one is not None and rows >= 1
+        # the step with its prompt rows stays within 4x a lone decoder's step at share 0.75,
+        # whatever the number decoding
+        assert c.step_target_s(decoding) == pytest.approx(one / 0.25)
         assert base + rows * c.prefill_row_s(rows) <= c.step_target_s(decoding) * 1.0001
         # and one more row would not have fitted (rows are as many as the share allows)
         assert base + (rows + 1) * c.prefill_row_s(rows + 1) > c.step_target_s(decoding)
-    # the 1.5B on that EPYC: 3 rows beside one decoder, 17 beside sixteen (not 512)
-    assert c.prefill_rows(1) == 3 and c.prefill_rows(16) == 17
+    # beside 16 decoders, 14 rows: a 132 ms step. The old bound, 4x the 16 decoders' own step
+    # with a 1 s floor, gave 248 rows there, a 1 s step, and a 1 s ITL p99 at 16 streams.
+    assert c.prefill_rows(16) == 14
+
+
+def test_decoders_that_alone_take_the_bound_still_leave_prompts_a_share() -> None:
+    """The Zen 3's 16 decoders take 282 ms, more than 2x its 58 ms lone step (share 0.5):
+    prompts still progress, at MIN_PROMPT_SHARE of a step."""
+    c = costs()
+    assert c.step_target_s(16) == pytest.approx(0.282 / (1 - MIN_PROMPT_SHARE))
+    assert c.prefill_rows(16) == int(0.282 / (1 - MIN_PROMPT_SHARE) * MIN_PROMPT_SHARE / 0.016)
+    assert c.prefill_rows(1) == 3  # beside one decoder: what fits 2x its 58 ms
 
 
 def test_with_nothing_decoding_prefill_takes_the_row_cap() -> None:
@@ -61,11 +80,12 @@ def test_with_nothing_decoding_prefill_takes_the_row_cap() -> None:
 
 def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
     """Tuned on nothing: a model 10x cheaper per row gets its chunk from its own costs."""
-    small = {"decode": [(1, 0.012), (16, 0.025)], "prefill": [(16, 0.0008), (64, 0.0004)]}
+    small = {"decode": [(1, 0.012), (4, 0.014), (16, 0.025)],
+             "prefill": [(16, 0.0008), (64, 0.0004)]}
     big, little = costs(), costs(small)
-    # 25 ms of decode leaves 25 ms at 0.8 ms a row: 31 rows, against 17 for the 1.5B (whose
-    # decode step is 11x longer but whose row is 19x dearer)
-    assert (little.prefill_rows(16), big.prefill_rows(16)) == (31, 17)
+    # beside 4 decoders, 2x 12 ms leaves 10 ms at 0.8 ms a row: 12 rows, against 2 for the
+    # 1.5B (whose lone step is 5x longer but whose row is 20x dearer)
+    assert (little.prefill_rows(4), big.prefill_rows(4)) == (12, 2)
 
 
 def test_unmeasured_costs_give_one_small_chunk_which_measures_them() -> None:
@@ -81,7 +101,7 @@ def test_steps_are_measured_into_histograms_for_metrics() -> None:
     c = costs()
     report = c.report()
     assert report.prefill_share == 0.5 and report.max_rows == 512
-    assert StepCosts(512).prefill_share == 0.75  # the default: steps at most 4x a decode step
+    assert StepCosts(512).prefill_share == pytest.approx(2 / 3)  # steps at 3x a lone decoder's
     assert dict(report.step_seconds)[float("inf")] == c.steps == 5
     assert report.step_seconds_sum == pytest.approx(0.058 + 0.075 + 0.282 + 16 * 0.016 + 0.96)
     assert dict(report.prefill_rows)[0.0] == 3  # the three decode-only steps
@@ -133,9 +153,10 @@ def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
 
 
 def test_a_step_with_prompt_rows_may_last_the_floor_whatever_the_share() -> None:
-    """Beside one decoder of 58 ms, the share alone gives 3 rows (a 117 ms step); the 1 s floor
-    gives what fits a second: fewer steps pay the prompt path's fixed cost."""
+    """Beside one decoder of 58 ms, the share alone gives 3 rows (a 116 ms step); a 1 s floor
+    (--step-floor-ms, off by default) gives what fits a second."""
     c = costs(floor_s=1.0)
     assert c.step_target_s(1) == 1.0
     assert c.prefill_rows(1) == int((1.0 - 0.058) / 0.016)
-    assert costs(floor_s=0.1).prefill_rows(16) == 17  # the share's target is the longer one
+    assert costs(floor_s=0.1).prefill_rows(16) == costs().prefill_rows(16)  # the bound is longer
+    assert StepCosts(512).step_floor_s == 0.0
