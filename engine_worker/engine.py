@@ -251,7 +251,7 @@ class Engine:
 
     @torch.inference_mode()
     def probe(self, decode_rows: tuple[int, ...] | None = None,
-              prefill_rows: tuple[int, ...] = (16, 32, 64)) -> None:
+              prefill_rows: tuple[int, ...] = (16, 64, 256)) -> None:
         """Time a few step shapes before any request, so the first requests are sized and
         admitted by a measurement of this host and model. Runs on blocks no sequence holds (at
         start every block is free and nothing is cached); what it writes there is never read."""
@@ -269,16 +269,20 @@ class Engine:
             if any(len(set(t)) < len(t) for t in tables):
                 continue  # the cache is too small for a context this long
             shapes.append([StepItem([0], context, t) for t in tables])
+        # Prompt chunks beside one decoder, as serving runs them: what a chunk adds to a step
+        # (in one pass with the decode rows, or beside the stack where the plan splits them).
+        beside = shapes[0][0] if shapes else None
         for p in prefill_rows:
-            p = min(p, self.runner.max_model_len, self.costs.max_rows, nblocks * bs)
-            if p > 1:
-                shapes.append([StepItem([0] * p, 0, list(range(-(-p // bs))))])
+            p = min(p, self.runner.max_model_len, self.costs.max_rows - 1, nblocks * bs)
+            start = nblocks - -(-p // bs)  # the cache's last blocks: apart from the decoder's
+            if p > 1 and beside is not None and start >= per_row:
+                shapes.append([beside, StepItem([0] * p, 0, list(range(start, nblocks)))])
         # The eager path: a compiled decode would compile a graph per shape here (minutes); it
         # is measured by the steps it serves.
         for items in shapes:
             self.runner.execute(items, compiled=False)  # the first run of a shape may build
             seconds = []
-            one = len(items[0].token_ids) == 1
+            one = all(len(it.token_ids) == 1 for it in items)
             sampled = [SamplerInput(m.SamplingParams(), [], None) for _ in items]
             for _ in range(2):  # the least of two: a process starting beside it is no cost
                 started = time.perf_counter()
@@ -286,8 +290,10 @@ class Engine:
                 if one:  # a decode step samples every row
                     self.sampler(logits, sampled)
                 seconds.append(time.perf_counter() - started)
-            rows = len(items) if one else len(items[0].token_ids)
-            self.costs.observe(rows if one else 0, 0 if one else rows, min(seconds))
+            if one:
+                self.costs.observe(len(items), 0, min(seconds))
+            else:  # one decode row beside the chunk: decode(1) is measured first
+                self.costs.observe(1, len(items[1].token_ids), min(seconds))
         report = self.costs.report()
         log.info("step costs measured", extra={"fields": {
             "decode_ms": {int(r): round(s * 1e3, 2) for r, s in report.decode_s},

@@ -32,7 +32,7 @@ from engine_worker.step_costs import StepCosts
 
 log = logging.getLogger("kestrel.engine")
 
-FORMAT = 1  # bump when the probe's shapes or what a point means change
+FORMAT = 2  # bump when the probe's shapes or what a point means change
 CAP_VARS = ("KESTREL_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 

@@ -19,11 +19,15 @@ Before, the bound was 4x the step of all D decoders with a 1 s floor, and beside
 decoder waited up to 1 s for a prompt chunk (the ITL p99 was 1 s). Where D decoders alone
 already take about that long (a slow host, many decoders), prompt rows still get
 MIN_PROMPT_SHARE of a step, so prompts always progress. A step only carries prompt rows that
-wait, so the bound is a bound, not a quota. A step's prompt rows meet its decode rows in the
-same matmuls (model/llama.py), so a small chunk costs its rows, not another pass over the
-weights. `step_floor_s` (0 by default) lets a step with prompt rows last that long anyway, for
-an operator who prefers fewer, larger chunks to steady gaps. With nothing decoding there is
-nobody to stall: prefill takes the whole row cap (--max-num-batched-tokens) for throughput.
+wait, so the bound is a bound, not a quota. Where a step's prompt rows meet its decode rows in
+the same matmuls (model_runner.py: every row on the integer-dot kernel), a small chunk costs
+its rows; where they take another path beside the decode stack (SmolLM2's bfloat16 copy past
+16 rows), any chunk also pays a fixed cost, and a step carrying prompt rows carries at least
+enough of them to amortize it (least_rows: fitted from the measured buckets). The probe
+measures chunks beside one decoder, as serving runs them. `step_floor_s` (0 by default) lets a
+step with prompt rows last that long anyway, for an operator who prefers fewer, larger chunks to
+steady gaps. With nothing decoding there is nobody to stall: prefill takes the whole row cap
+(--max-num-batched-tokens) for throughput.
 
 A mixed step teaches the prefill side what it took beyond the decode estimate; a decode-only step
 teaches the decode side. Costs never seen are borrowed from the nearest bucket measured (decode
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ PREFILL_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 STEP_SECONDS_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 PREFILL_ROWS_EDGES = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ALPHA = 0.2  # EWMA weight of the newest step: a few dozen steps make the estimate
+AMORTIZE = 4  # a prompt chunk's rows cost at least 4x its fixed cost (least_rows)
 DEFAULT_PREFILL_SHARE = 2 / 3  # steps with prompt rows aimed at 3x a lone decoder's (see above)
 # Where D decoders alone take the one-stream bound, prompt rows still get this share of a step.
 MIN_PROMPT_SHARE = 0.1
@@ -185,9 +191,38 @@ class StepCosts:
             rows = top if per_row <= 0 else min(top, int(room / per_row))
             if rows >= edge:
                 best = max(best, rows)
-        rows = min(cap, best)
+        rows = min(cap, max(best, self.least_rows()))
         self._log_choice(rows, decode_rows, base)
         return rows
+
+    def chunk_cost(self) -> tuple[float, float] | None:
+        """(seconds, seconds a row): what carrying a prompt chunk adds to a step, whatever its
+        rows, and what each row adds, fitted (least squares) to the measured buckets of 16 rows
+        and more: a bucket's rows times its cost a row is the chunk's cost. None: fewer than
+        two buckets measured."""
+        pts = [(float(b), b * s) for b, s in self._prefill.items() if b >= PREFILL_BUCKETS[1]]
+        if len(pts) < 2:
+            return None
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        if slope <= 0:
+            return None
+        return max(0.0, my - slope * mx), slope
+
+    def least_rows(self) -> int:
+        """The fewest prompt rows a step carrying any should carry: enough that the chunk's
+        fixed cost is at most 1 / (1 + AMORTIZE) of what its rows add. On the 1.5B Qwen, whose
+        prompt rows meet the decode rows in one pass, the fixed cost is near nothing and this is
+        a few rows; on SmolLM2, whose prompt rows past 16 take another path beside the stack,
+        it is ~5 ms against 0.5 ms a row, and chunks of a few rows had starved its prompts
+        (16 streams: 246 tok/s against 432 with 512-row chunks, Zen 5)."""
+        cost = self.chunk_cost()
+        if cost is None:
+            return 1
+        fixed, per_row = cost
+        return max(1, min(self.max_rows, math.ceil(AMORTIZE * fixed / per_row)))
 
     def _log_choice(self, rows: int, decode_rows: int, base: float) -> None:
         now = self._clock()

@@ -1,19 +1,24 @@
 """engine_worker/step_costs.py and the scheduler's steps sized by it: prompt rows per step from
-measured time, never from a token count tuned on another model. No torch."""
+measured time, never from a token count tuned on another model; and the engine's probe that
+measures them at start (the tiny random model)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from common.step_model import decode_seconds, prefill_row_seconds
 from engine_worker.block_manager import BlockManager
+from engine_worker.engine import Engine
+from engine_worker.model_runner import ModelRunner
 from engine_worker.scheduler import Scheduler
-from engine_worker.step_costs import MIN_PROMPT_SHARE, StepCosts
+from engine_worker.step_costs import AMORTIZE, MIN_PROMPT_SHARE, StepCosts
 from tests.engine_worker.test_scheduler import EOS, FakeModel, make_seq
 
 # Measured on a 2-vCPU AMD EPYC (AVX2) for Qwen2.5-Coder-1.5B Q4_K_M (Engine.probe, this wave):
-# a decode step of 1 row 58 ms, 16 rows 282 ms; a prompt row ~15 ms.
-QWEN_15B = {"decode": [(1, 0.058), (4, 0.075), (16, 0.282)], "prefill": [(16, 0.016),
+# a decode step of 1 row 58 ms, 16 rows 282 ms; a prompt row ~15 ms, whatever the chunk.
+QWEN_15B = {"decode": [(1, 0.058), (4, 0.075), (16, 0.282)], "prefill": [(16, 0.015),
                                                                          (64, 0.015)]}
 
 
@@ -69,7 +74,7 @@ def test_decoders_that_alone_take_the_bound_still_leave_prompts_a_share() -> Non
     prompts still progress, at MIN_PROMPT_SHARE of a step."""
     c = costs()
     assert c.step_target_s(16) == pytest.approx(0.282 / (1 - MIN_PROMPT_SHARE))
-    assert c.prefill_rows(16) == int(0.282 / (1 - MIN_PROMPT_SHARE) * MIN_PROMPT_SHARE / 0.016)
+    assert c.prefill_rows(16) == int(0.282 / (1 - MIN_PROMPT_SHARE) * MIN_PROMPT_SHARE / 0.015)
     assert c.prefill_rows(1) == 3  # beside one decoder: what fits 2x its 58 ms
 
 
@@ -81,11 +86,33 @@ def test_with_nothing_decoding_prefill_takes_the_row_cap() -> None:
 def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
     """Tuned on nothing: a model 10x cheaper per row gets its chunk from its own costs."""
     small = {"decode": [(1, 0.012), (4, 0.014), (16, 0.025)],
-             "prefill": [(16, 0.0008), (64, 0.0004)]}
+             "prefill": [(16, 0.0008), (64, 0.0008)]}
     big, little = costs(), costs(small)
     # beside 4 decoders, 2x 12 ms leaves 10 ms at 0.8 ms a row: 12 rows, against 2 for the
-    # 1.5B (whose lone step is 5x longer but whose row is 20x dearer)
+    # 1.5B (whose lone step is 5x longer but whose row is 19x dearer)
     assert (little.prefill_rows(4), big.prefill_rows(4)) == (12, 2)
+
+
+def test_a_chunk_with_a_fixed_cost_carries_rows_enough_to_amortize_it() -> None:
+    """SmolLM2 on the Zen 5, beside one decoder: 16 prompt rows add 12 ms, 64 add 48, 256 add
+    123 (its prompt rows past 16 leave the stack's path): ~11 ms a chunk whatever its rows,
+    0.44 ms a row. Chunks of the few rows the bound allows paid it every step (16 streams fell
+    from 432 to 246 tok/s); a step now carries at least AMORTIZE x the fixed cost in rows."""
+    smol = {"decode": [(1, 0.0048), (16, 0.0196)],
+            "prefill": [(16, 0.012 / 16), (64, 0.0476 / 64), (256, 0.123 / 256)]}
+    c = costs(smol, share=2 / 3)
+    cost = c.chunk_cost()
+    assert cost is not None
+    fixed, per_row = cost
+    assert fixed == pytest.approx(0.0113, abs=5e-4) and per_row == pytest.approx(0.00044, 0.02)
+    least = c.least_rows()
+    assert least == math.ceil(AMORTIZE * fixed / per_row) and 90 <= least <= 110
+    assert c.prefill_rows(1) == least and c.prefill_rows(16) == least  # the bound allows fewer
+    # a chunk whose rows are all its cost (the 1.5B's, in one pass with the decode rows) is
+    # held to the bound alone
+    flat = costs(QWEN_15B_ZEN5 | {"prefill": [(16, 0.0035), (64, 0.0035), (256, 0.0035)]},
+                 share=0.75)
+    assert flat.least_rows() == 1 and flat.prefill_rows(16) == 14
 
 
 def test_unmeasured_costs_give_one_small_chunk_which_measures_them() -> None:
@@ -103,7 +130,7 @@ def test_steps_are_measured_into_histograms_for_metrics() -> None:
     assert report.prefill_share == 0.5 and report.max_rows == 512
     assert StepCosts(512).prefill_share == pytest.approx(2 / 3)  # steps at 3x a lone decoder's
     assert dict(report.step_seconds)[float("inf")] == c.steps == 5
-    assert report.step_seconds_sum == pytest.approx(0.058 + 0.075 + 0.282 + 16 * 0.016 + 0.96)
+    assert report.step_seconds_sum == pytest.approx(0.058 + 0.075 + 0.282 + 16 * 0.015 + 0.96)
     assert dict(report.prefill_rows)[0.0] == 3  # the three decode-only steps
     with pytest.raises(ValueError):
         StepCosts(512, prefill_share=1.0)
@@ -157,6 +184,24 @@ def test_a_step_with_prompt_rows_may_last_the_floor_whatever_the_share() -> None
     (--step-floor-ms, off by default) gives what fits a second."""
     c = costs(floor_s=1.0)
     assert c.step_target_s(1) == 1.0
-    assert c.prefill_rows(1) == int((1.0 - 0.058) / 0.016)
+    assert c.prefill_rows(1) == int((1.0 - 0.058) / 0.015)
     assert costs(floor_s=0.1).prefill_rows(16) == costs().prefill_rows(16)  # the bound is longer
     assert StepCosts(512).step_floor_s == 0.0
+
+
+def test_the_probe_times_prompt_chunks_beside_one_decoder(tiny_runner: ModelRunner,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving carries prompt chunks beside decoders; a prompt-only step pays what they share
+    (on the 1.5B Qwen a whole pass over the weights: 6.2 ms a row at 16 rows, against 2.8 beside
+    a decoder), so the probe measures the shape serving runs."""
+    engine = Engine(tiny_runner, max_num_seqs=4, max_num_batched_tokens=128)
+    shapes: list[list[int]] = []
+    execute = tiny_runner.execute
+    monkeypatch.setattr(tiny_runner, "execute", lambda items, **kw: shapes.append(
+        [len(it.token_ids) for it in items]) or execute(items, **kw))
+    engine.probe()
+    mixed = {tuple(s) for s in shapes if len(s) > 1 and max(s) > 1}
+    assert mixed == {(1, 16), (1, 64), (1, 127)}  # 256 capped by the 128-row step, less one
+    points = engine.costs.points()
+    assert [b for b, _ in points["prefill"]] == [16, 64]  # 127 rows fall in the 64 bucket
+    assert [b for b, _, _ in points["decode"]] == [1, 4]
