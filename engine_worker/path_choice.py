@@ -13,9 +13,13 @@
          built from
 
 The candidates:
-  - our integer-dot kernel over the file's own blocks (engine_worker/int_dot.py) for up to 16
-    rows, where it is built for this host; chosen up to the largest row count at which it and
-    every smaller one were measured faster than every other candidate;
+  - our integer-dot kernel over the file's own blocks (engine_worker/int_dot.py), where it is
+    built for this host; chosen up to the largest row count at which it and every smaller one
+    were measured faster than every other candidate, and at every row count where it won at
+    all those measured (then a step's rows never change path: a mixed step is one pass over
+    the weights, model_runner.py). It was timed up to 16 rows only until this kernel's
+    prefetch: on the Zen 5 under the AVX2 caps it now beats the float32 copy at 128 rows
+    (SmolLM2's layers 1.2-1.9x), where the plan had kept the copy from 32 rows;
   - packed kernels (torch's INT4 kernel, our Q8_0 kernel or torch's INT8 one) with their
     activations in bfloat16 or float32 (torch's INT4 kernel in float32 measured 20x slower
     than in bfloat16 on two CPUs without native bfloat16: which wins is not obvious);
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine_worker.kernel_build import _cpu_flags
+from engine_worker.kernel_build import _cpu_flags, sources_digest
 from engine_worker.model.matmul_plan import MatmulPlan
 
 log = logging.getLogger("kestrel.paths")
@@ -67,6 +71,12 @@ class PathChoice:
     int_dot_rows: int = 0  # up to this many rows the integer-dot kernel; 0: never
     confirmed: bool = False  # two measurements in a row chose these paths
 
+    @property
+    def int_dot_everywhere(self) -> bool:
+        """The integer-dot kernel won at every row count measured: it serves them all."""
+        measured = [int(r) for t in self.timings_ms.values() for r in t]
+        return bool(measured) and self.int_dot_rows >= max(measured)
+
     def same_paths(self, other: PathChoice) -> bool:
         return (self.compute_dtype, self.dense_dtype, self.dense_min_rows, self.int_dot_rows) \
             == (other.compute_dtype, other.dense_dtype, other.dense_min_rows, other.int_dot_rows)
@@ -75,7 +85,8 @@ class PathChoice:
         dense = f"a {self.dense_dtype} copy from {self.dense_min_rows} rows" \
             if self.dense_min_rows else "no copy"
         why = "" if self.native_bf16 else " (no native bfloat16 here)"
-        dot = f"integer-dot kernel up to {self.int_dot_rows} rows, " if self.int_dot_rows else ""
+        dot = "integer-dot kernel at every row count, " if self.int_dot_everywhere else \
+            f"integer-dot kernel up to {self.int_dot_rows} rows, " if self.int_dot_rows else ""
         return f"{dot}packed kernels in {self.compute_dtype}, {dense}{why}"
 
 
@@ -98,6 +109,7 @@ def _key(shapes: list[Any]) -> str:
     for var in CAP_VARS:
         h.update(f"{var}={os.environ.get(var, '')}".encode())
     h.update(json.dumps(shapes).encode())
+    h.update(sources_digest().encode())  # an edited kernel is measured again
     return h.hexdigest()[:16]
 
 
@@ -161,12 +173,12 @@ def decide(timings: dict[str, dict[str, float]], bf16: bool) -> PathChoice:
     return PathChoice(dtype, best[1], best[2], bf16, timings, dot)
 
 
-def _int_dot_rows(timings: dict[str, dict[str, float]], most: int = 16) -> int:
-    """The largest row count (<= `most`) up to which the integer-dot candidate was measured
-    faster than every other candidate at every row count; 0 if not even at one row."""
+def _int_dot_rows(timings: dict[str, dict[str, float]]) -> int:
+    """The largest row count up to which the integer-dot candidate was measured faster than
+    every other candidate at every row count; 0 if not even at one row."""
     dot = timings.get(INT_DOT, {})
     rows = 0
-    for r in sorted(int(q) for q in dot if int(q) <= most):
+    for r in sorted(int(q) for q in dot):
         others = [t[str(r)] for n, t in timings.items() if n != INT_DOT and str(r) in t]
         if not others or dot[str(r)] >= min(others):
             break
@@ -206,7 +218,7 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     if bf16 and 2 * weights <= copy_budget:  # elsewhere every element is converted to float32
         candidates["dense-bfloat16"] = replace(base, dense_min_rows=1)  # and back: no contender
     if int_dot_isa and all(b.fmt != "float" for b in blocks):
-        candidates[INT_DOT] = replace(base, int_dot_rows=16)
+        candidates[INT_DOT] = replace(base, int_dot_all=True)
     layers = {name: [to_module(b, plan, dev) for b in blocks]
               for name, plan in candidates.items()}
     choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)

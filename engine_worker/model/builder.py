@@ -120,7 +120,7 @@ def gguf_plan(cfg: RunnerConfig, model_cfg: ModelConfig, native_q8: bool, paged:
         plan = replace(plan, packed_dtype=paths.compute_dtype,
                        dense_min_rows=paths.dense_min_rows,
                        dense_dtype=paths.dense_dtype or "bfloat16",
-                       int_dot_rows=paths.int_dot_rows,
+                       int_dot_rows=paths.int_dot_rows, int_dot_all=paths.int_dot_everywhere,
                        origin="cached" if paths.confirmed else "measured")
     else:
         rows = DENSE_ROWS if cfg.dense_min_rows == AUTO else cfg.dense_min_rows

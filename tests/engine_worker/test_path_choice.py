@@ -50,9 +50,13 @@ def test_the_integer_dot_kernel_serves_up_to_where_it_stops_winning() -> None:
     # rows 1, 2, 4, 8, 16, 32, 64, 128: faster up to 8 rows, then not (at 16: 5 > 3)
     choice = decide({**base, "int_dot": rows(0.5, 0.6, 1, 2, 5, 1, 1, 1)}, bf16=False)
     assert choice.int_dot_rows == 8 and "integer-dot kernel up to 8 rows" in choice.describe()
-    # never past 16 rows (the kernel's limit), however fast it was timed there
-    assert decide({**base, "int_dot": rows(0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)},
-                  bf16=False).int_dot_rows == 16
+    # faster at every row count measured: every row count, so a step's rows never change path
+    # (before, never past 16 rows, however fast it was timed there)
+    everywhere = decide({**base, "int_dot": rows(0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)},
+                        bf16=False)
+    assert everywhere.int_dot_rows == 128 and everywhere.int_dot_everywhere
+    assert "integer-dot kernel at every row count" in everywhere.describe()
+    assert not choice.int_dot_everywhere
     # slower at one row: not used at all, even where it wins later
     assert decide({**base, "int_dot": rows(1.5, 0.1, 0.1, 0.1, 0.1, 9, 9, 9)},
                   bf16=False).int_dot_rows == 0
