@@ -15,8 +15,9 @@
 // in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
 // float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
 // arithmetic is float32 throughout (exp by a polynomial, ~1 ulp). The inner loops run over D:
-// for D = 64 or 128 on 16-float vector-extension values, otherwise as `omp simd` loops, so that
-// -O3 -march=native vectorises them: AVX512 where the host has it, AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
+// for D = 64 or 128 on vector-extension values as wide as the host's registers (vw), otherwise
+// as `omp simd` loops, so that -O3 -march=native vectorises them: AVX512 where the host has it,
+// AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
 // G query rows from L1, and each output accumulator stays in registers across a block.
 
 #include <ATen/ATen.h>
@@ -83,19 +84,33 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-inline v16 load16(const float* p) {
-  v16 v;
+// The working vector is the host's register: 16 floats with AVX512, 8 without. A 16-float
+// value on an AVX2 build was lowered through the stack (GCC keeps a vector wider than the ISA's
+// registers in memory): the accumulators of pass 2 ran 6.5x slower than on the AVX512 build of
+// the same CPU (a layer of SmolLM2 at 16 sequences: 396 against 61 us, Zen 5 under the caps).
+#if defined(__AVX512F__)
+typedef v16 vw;
+#else
+typedef v8 vw;
+#endif
+constexpr int W = sizeof(vw) / sizeof(float);
+
+inline vw loadw(const float* p) {
+  vw v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storew(float* p, vw v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Sum of 16 lanes by halving: three vector adds and two scalar ones, not a chain of 15.
+// Sum of the lanes by halving: vector adds, then two scalar ones, not a chain of W - 1.
+inline float hsum4(v4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
+inline float hsum(v8 a) {
+  return hsum4(__builtin_shufflevector(a, a, 0, 1, 2, 3) +
+               __builtin_shufflevector(a, a, 4, 5, 6, 7));
+}
 inline float hsum(v16 x) {
-  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return hsum(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // DC: the head size when a multiple of 16 known at compile time (64, 128: the vector path),
@@ -103,9 +118,9 @@ inline float hsum(v16 x) {
 template <int DC>
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
   if constexpr (DC > 0) {
-    v16 s = load16(a) * load16(b);
-#pragma GCC unroll 8
-    for (int i = 16; i < DC; i += 16) s += load16(a + i) * load16(b + i);
+    vw s = loadw(a) * loadw(b);
+#pragma GCC unroll 16
+    for (int i = W; i < DC; i += W) s += loadw(a + i) * loadw(b + i);
     return hsum(s);
   } else {
     float s = 0.f;
@@ -121,18 +136,18 @@ template <int DC>
 inline void axpy_block(float* __restrict acc, const float* __restrict p,
                        const float* __restrict v, int64_t n, int64_t stride, int64_t d) {
   if constexpr (DC > 0) {
-    constexpr int NV = DC / 16;
-    v16 a[NV];
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
+    constexpr int NV = DC / W;
+    vw a[NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) a[i] = loadw(acc + W * i);
     for (int64_t r = 0; r < n; ++r) {
       const float pr = p[r];
       const float* vr = v + r * stride;
-#pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) a[i] += pr * load16(vr + 16 * i);
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) a[i] += pr * loadw(vr + W * i);
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) store16(acc + 16 * i, a[i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) storew(acc + W * i, a[i]);
   } else {
     for (int64_t r = 0; r < n; ++r) {
       const float pr = p[r];
