@@ -271,7 +271,7 @@ class Engine:
             shapes.append([StepItem([0], context, t) for t in tables])
         # Prompt chunks beside one decoder, as serving runs them: what a chunk adds to a step
         # (in one pass with the decode rows, or beside the stack where the plan splits them).
-        beside = shapes[0][0] if shapes else None
+        beside = next((items[0] for items in shapes if len(items) == 1), None)  # 1-row decode
         for p in prefill_rows:
             p = min(p, self.runner.max_model_len, self.costs.max_rows - 1, nblocks * bs)
             start = nblocks - -(-p // bs)  # the cache's last blocks: apart from the decoder's
@@ -292,7 +292,7 @@ class Engine:
                 seconds.append(time.perf_counter() - started)
             if one:
                 self.costs.observe(len(items), 0, min(seconds))
-            else:  # one decode row beside the chunk: decode(1) is measured first
+            else:  # one decode row beside the chunk: decode(1) was measured just before
                 self.costs.observe(1, len(items[1].token_ids), min(seconds))
         report = self.costs.report()
         log.info("step costs measured", extra={"fields": {

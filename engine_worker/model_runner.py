@@ -118,7 +118,7 @@ class ModelRunner:
         ids, positions, meta, rows = self._prepare(items)
         stack = self.decode_stack if self.use_stack else None
         choice = self.thread_choice if stack is not None else None
-        if stack is not None and meta.num_decode < ids.shape[0] and self._int_dot_rows(ids):
+        if stack is not None and meta.num_decode < ids.shape[0] and self._one_kernel(ids.shape[0]):
             # A mixed step whose rows all take the integer-dot kernel: decode and prompt rows
             # meet in the same matmuls, one pass over the weights (the stack beside the prompt's
             # layers read them twice: on the 1.5B Qwen, 16 prompt rows beside a decoder added
@@ -134,9 +134,9 @@ class ModelRunner:
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
 
-    def _int_dot_rows(self, ids: torch.Tensor) -> bool:
-        """Whether every layer runs all of a step's rows through the integer-dot kernel."""
-        return self.plan.int_dot_all or ids.shape[0] <= self.plan.int_dot_rows
+    def _one_kernel(self, rows: int) -> bool:
+        """Whether every layer runs a step of `rows` rows through the integer-dot kernel."""
+        return self.plan.int_dot_all or rows <= self.plan.int_dot_rows
 
     @torch.inference_mode()
     def forward_full(self, token_ids: list[int]) -> torch.Tensor:
