@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,9 @@ class StepCosts:
         self.steps = 0
         self._clock = clock
         self._logged: tuple[int, float] | None = None  # (rows at 1 decoder, when)
+        # KESTREL_STEP_TRACE=FILE: a line per step appended to FILE (clock, decode rows, prompt
+        # rows, seconds), to see where a load's time went (benchmarks/step_trace.py sums it)
+        self._trace = os.environ.get("KESTREL_STEP_TRACE") or None
 
     # -- learning ------------------------------------------------------------------------------
 
@@ -118,6 +122,9 @@ class StepCosts:
         rows in `seconds`."""
         if seconds <= 0 or decode_rows + prefill_rows <= 0:
             return
+        if self._trace:
+            with open(self._trace, "a") as f:
+                f.write(f"{self._clock():.4f} {decode_rows} {prefill_rows} {seconds:.6f}\n")
         self.steps += 1
         self.step_seconds.add(seconds)
         self.prefill_rows_hist.add(float(prefill_rows))

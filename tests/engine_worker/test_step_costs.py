@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from benchmarks.step_trace import read
 from common.step_model import decode_seconds, prefill_row_seconds
 from engine_worker.block_manager import BlockManager
 from engine_worker.engine import Engine
@@ -205,3 +206,18 @@ def test_the_probe_times_prompt_chunks_beside_one_decoder(tiny_runner: ModelRunn
     points = engine.costs.points()
     assert [b for b, _ in points["prefill"]] == [16, 64]  # 127 rows fall in the 64 bucket
     assert [b for b, _, _ in points["decode"]] == [1, 4]
+
+
+def test_a_step_trace_gets_a_line_per_step_only_when_asked(tmp_path, monkeypatch) -> None:
+    """KESTREL_STEP_TRACE: each observed step appended as (clock, decode rows, prompt rows,
+    seconds), which benchmarks/step_trace.py reads; nothing written without it."""
+    trace = tmp_path / "steps.txt"
+    monkeypatch.delenv("KESTREL_STEP_TRACE", raising=False)
+    StepCosts(512).observe(3, 0, 0.01)
+    assert not trace.exists()
+    monkeypatch.setenv("KESTREL_STEP_TRACE", str(trace))
+    c = StepCosts(512, clock=lambda: 12.5)
+    c.observe(3, 0, 0.01)
+    c.observe(2, 40, 0.05)
+    c.observe(0, 0, 0.01)  # no rows: not a step
+    assert read(trace) == [(12.5, 3, 0, 0.01), (12.5, 2, 40, 0.05)]
