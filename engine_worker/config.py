@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.settings import setting
 from engine_worker.memory_budget import parse_kv_memory
-from engine_worker.step_costs import DEFAULT_PREFILL_SHARE
+from engine_worker.step_costs import DEFAULT_PREFILL_SHARE, DEFAULT_STEP_FLOOR_S
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
@@ -105,9 +105,11 @@ class WorkerConfig:
                                         "host (2/3: such a step lasts at most 3x a one-stream "
                                         "decode step); 0: off, --max-num-batched-tokens alone "
                                         "sizes steps")
-    step_floor_ms: float = setting(0.0, "a step carrying prompt rows may last this long "
-                                   "whatever --step-prefill-share says: fewer, larger prompt "
-                                   "chunks for longer gaps between a decoder's tokens (0: off)")
+    step_floor_ms: float = setting(DEFAULT_STEP_FLOOR_S * 1e3, "a step carrying prompt rows "
+                                   "may last this long whatever --step-prefill-share says (50: "
+                                   "20 tokens a second to each stream, where a lone decoder's "
+                                   "step is a few ms); larger: fewer, larger prompt chunks for "
+                                   "longer gaps between a decoder's tokens; 0: off")
     pooling: str = setting("mean", "how /v1/embeddings pools an input's last hidden states "
                            "into its vector: mean (over its tokens) or last (its last token's)")
     prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes",

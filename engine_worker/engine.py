@@ -30,7 +30,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.decoder import SpecDecoder
 from engine_worker.step import SamplerInput, ScheduledChunk, StepItem
-from engine_worker.step_costs import DEFAULT_PREFILL_SHARE, StepCosts
+from engine_worker.step_costs import DEFAULT_PREFILL_SHARE, DEFAULT_STEP_FLOOR_S, StepCosts
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.engine")
@@ -58,7 +58,7 @@ class Engine:
         spec: SpecDecoder | None = None,
         grammars: GrammarCompiler | None = None,
         prefill_share: float = DEFAULT_PREFILL_SHARE,
-        step_floor_s: float = 0.0,
+        step_floor_s: float = DEFAULT_STEP_FLOOR_S,
         pooling: str = "mean",
     ) -> None:
         self.runner = runner

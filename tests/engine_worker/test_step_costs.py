@@ -14,7 +14,12 @@ from engine_worker.block_manager import BlockManager
 from engine_worker.engine import Engine
 from engine_worker.model_runner import ModelRunner
 from engine_worker.scheduler import Scheduler
-from engine_worker.step_costs import AMORTIZE, MIN_PROMPT_SHARE, StepCosts
+from engine_worker.step_costs import (
+    AMORTIZE,
+    DEFAULT_STEP_FLOOR_S,
+    MIN_PROMPT_SHARE,
+    StepCosts,
+)
 from tests.engine_worker.test_scheduler import EOS, FakeModel, make_seq
 
 # Measured on a 2-vCPU AMD EPYC (AVX2) for Qwen2.5-Coder-1.5B Q4_K_M (Engine.probe, this wave):
@@ -182,12 +187,39 @@ def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
 
 def test_a_step_with_prompt_rows_may_last_the_floor_whatever_the_share() -> None:
     """Beside one decoder of 58 ms, the share alone gives 3 rows (a 116 ms step); a 1 s floor
-    (--step-floor-ms, off by default) gives what fits a second."""
+    (--step-floor-ms) gives what fits a second."""
     c = costs(floor_s=1.0)
     assert c.step_target_s(1) == 1.0
     assert c.prefill_rows(1) == int((1.0 - 0.058) / 0.015)
     assert costs(floor_s=0.1).prefill_rows(16) == costs().prefill_rows(16)  # the bound is longer
-    assert StepCosts(512).step_floor_s == 0.0
+    assert StepCosts(512).step_floor_s == DEFAULT_STEP_FLOOR_S == 0.05
+
+
+# SmolLM2 under the AVX2 caps on a 2-core Zen 5 (Engine.probe and bench_mixed_step, this wave):
+# a lone decoder's step 4 ms, 16 decoders' 21 ms; a prompt row ~0.7 ms beside them.
+SMOLLM2_AVX2 = {"decode": [(1, 0.004), (4, 0.0075), (16, 0.021)],
+                "prefill": [(16, 0.0008), (64, 0.0007)]}
+
+
+def test_where_a_lone_decoders_step_is_a_few_ms_prompts_get_the_floor_not_a_tenth() -> None:
+    """The bound of 3x a 4 ms step is 12 ms; 16 decoders alone take 21 ms, so without the floor
+    prompts get a tenth of a step (~3 rows; the chunk's fixed cost asks for ~13), and under load 16 streams settled at 3-7 decoding
+    while the rest waited for their prompts (236 tok/s, TTFT p50 4.8 s). The default floor lets a
+    step with prompt rows last 50 ms: ~40 rows beside the 16, and nothing changes where the
+    bound is longer than the floor (the 1.5B Qwen's: QWEN_15B's 58 ms step, 3x 174 ms)."""
+    off = costs(SMOLLM2_AVX2, share=2 / 3, floor_s=0.0)
+    on = costs(SMOLLM2_AVX2, share=2 / 3, floor_s=DEFAULT_STEP_FLOOR_S)
+    assert off.step_target_s(16) == pytest.approx(0.021 / (1 - MIN_PROMPT_SHARE))
+    # the room (2.3 ms) holds 3 rows; the chunk's fixed cost asks for its amortizing minimum
+    assert int((off.step_target_s(16) - 0.021) / 0.0007) <= 3
+    assert off.prefill_rows(16) == off.least_rows() < 16
+    assert on.step_target_s(16) == DEFAULT_STEP_FLOOR_S
+    assert 2.5 * off.prefill_rows(16) < on.prefill_rows(16) <= int((0.05 - 0.021) / 0.0007)
+    qwen_off = costs(QWEN_15B, share=2 / 3, floor_s=0.0)
+    qwen_on = costs(QWEN_15B, share=2 / 3, floor_s=DEFAULT_STEP_FLOOR_S)
+    for decoders in (1, 4, 16):
+        assert qwen_on.step_target_s(decoders) == qwen_off.step_target_s(decoders)
+        assert qwen_on.prefill_rows(decoders) == qwen_off.prefill_rows(decoders)
 
 
 def test_the_probe_times_prompt_chunks_beside_one_decoder(tiny_runner: ModelRunner,
