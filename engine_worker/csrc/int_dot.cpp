@@ -579,6 +579,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
       }
       if constexpr (F == Fmt::Q8_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
+      #pragma GCC unroll 8  // every row its own registers: rolled, acc[] lived on the stack
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r, ab = row * blocks + b;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
@@ -636,6 +637,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
       }
       __m512 mv = _mm512_setzero_ps();
       if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
+      #pragma GCC unroll 8  // every row its own registers: rolled, acc[] lived on the stack
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = a.q.data() + row * k + b * kBlock;
