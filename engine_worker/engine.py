@@ -69,7 +69,7 @@ class Engine:
         # Measured step costs size each step's prompt rows (0: the token budget alone); they are
         # measured, and reported to the gateway, either way.
         self.costs = StepCosts(max_num_batched_tokens, prefill_share or DEFAULT_PREFILL_SHARE,
-                               step_floor_s)
+                               step_floor_s, one_pass=runner.mixed_steps_one_pass)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,

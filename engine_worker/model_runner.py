@@ -134,6 +134,13 @@ class ModelRunner:
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
 
+    @property
+    def mixed_steps_one_pass(self) -> bool:
+        """Whether a step's prompt rows always meet its decode rows in the same matmuls, one
+        pass over the weights: no stack beside the layers, or every row count on the
+        integer-dot kernel. Where not, a prompt chunk beside the stack pays a pass of its own."""
+        return not self.use_stack or self.plan.int_dot_all
+
     def _one_kernel(self, rows: int) -> bool:
         """Whether every layer runs a step of `rows` rows through the integer-dot kernel."""
         return self.plan.int_dot_all or rows <= self.plan.int_dot_rows

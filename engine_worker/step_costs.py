@@ -106,12 +106,15 @@ class _Histogram:
 class StepCosts:
     def __init__(self, max_rows: int, prefill_share: float = DEFAULT_PREFILL_SHARE,
                  step_floor_s: float = DEFAULT_STEP_FLOOR_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, one_pass: bool = False) -> None:
         if not 0 < prefill_share < 1:
             raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
         self.max_rows = max_rows  # --max-num-batched-tokens: a cap, never the policy
         self.prefill_share = prefill_share
         self.step_floor_s = step_floor_s  # a step with prompt rows may last this long anyway
+        # True where a step's prompt rows always meet its decode rows in the same matmuls
+        # (ModelRunner.mixed_steps_one_pass): a chunk then has no cost of its own to amortize
+        self.one_pass = one_pass
         # bucket -> (mean decode rows, mean seconds) of decode-only steps
         self._decode: dict[int, tuple[float, float]] = {}
         self._prefill: dict[int, float] = {}  # bucket -> seconds a prefill row adds
@@ -229,12 +232,15 @@ class StepCosts:
 
     def least_rows(self) -> int:
         """The fewest prompt rows a step carrying any should carry: enough that the chunk's
-        fixed cost is at most 1 / (1 + AMORTIZE) of what its rows add. On the 1.5B Qwen, whose
-        prompt rows meet the decode rows in one pass, the fixed cost is near nothing and this is
-        a few rows; on SmolLM2, whose prompt rows past 16 take another path beside the stack,
-        it is ~5 ms against 0.5 ms a row, and chunks of a few rows had starved its prompts
-        (16 streams: 246 tok/s against 432 with 512-row chunks, Zen 5)."""
-        cost = self.chunk_cost()
+        fixed cost is at most 1 / (1 + AMORTIZE) of what its rows add. On SmolLM2 natively,
+        whose prompt rows past a few dozen take another path beside the stack, it is ~5 ms
+        against 0.5 ms a row, and chunks of a few rows had starved its prompts
+        (16 streams: 246 tok/s against 432 with 512-row chunks, Zen 5). Where the prompt rows
+        always ride the decode rows' pass (`one_pass`), 1: a chunk has no cost of its own, and
+        what a fit takes for one is a kernel doing more per row at 256 rows than at 16 (on the
+        1.5B Qwen 3.5 against 2.7 ms), which asked for ~20 rows a step beside 13 decoders: steps
+        of ~145 ms against a 97 ms target, an ITL p99 of 364 ms in one run of two."""
+        cost = None if self.one_pass else self.chunk_cost()
         if cost is None:
             return 1
         fixed, per_row = cost

@@ -253,3 +253,30 @@ def test_a_step_trace_gets_a_line_per_step_only_when_asked(tmp_path, monkeypatch
     c.observe(2, 40, 0.05)
     c.observe(0, 0, 0.01)  # no rows: not a step
     assert read(trace) == [(12.5, 3, 0, 0.01), (12.5, 2, 40, 0.05)]
+
+
+def test_where_prompt_rows_ride_the_decode_rows_pass_a_chunk_has_nothing_to_amortize() -> None:
+    """The 1.5B Qwen's prompt rows meet its decode rows in the same matmuls. Its kernel does more
+    per row at 256 rows than at 16 (2.7 against 3.5 ms), which a linear fit reads as a fixed cost
+    of ~12 ms a chunk: ~20 rows a step beside 13 decoders, steps of ~145 ms against a 97 ms
+    target (an ITL p99 of 364 ms in one run). With `one_pass` (the runner says so) the bound
+    alone sizes the chunk."""
+    qwen = QWEN_15B_ZEN5 | {"prefill": [(16, 0.0035), (64, 0.0028), (256, 0.0027)]}
+    split = costs(qwen, share=2 / 3)
+    fixed, _ = split.chunk_cost() or (0.0, 0.0)
+    assert fixed > 0.01 and split.least_rows() > 12
+    one = StepCosts(512, 2 / 3, 0.0, one_pass=True)
+    one.seed(split.points())
+    assert one.least_rows() == 1
+    target, base = one.step_target_s(13), one.decode_s(13)
+    assert target is not None and base is not None
+    rows = one.prefill_rows(13)
+    assert base + rows * one.prefill_row_s(rows) <= target < base + (rows + 1) * 0.0035
+    assert split.prefill_rows(13) > rows
+
+
+def test_the_runner_says_whether_its_mixed_steps_are_one_pass(tiny_runner: ModelRunner) -> None:
+    """No stack beside the layers, or every row count on the integer-dot kernel: one pass."""
+    engine = Engine(tiny_runner, max_num_seqs=4, max_num_batched_tokens=128)
+    assert engine.costs.one_pass == tiny_runner.mixed_steps_one_pass == (
+        not tiny_runner.use_stack or tiny_runner.plan.int_dot_all)
