@@ -203,10 +203,11 @@ SMOLLM2_AVX2 = {"decode": [(1, 0.004), (4, 0.0075), (16, 0.021)],
 
 def test_where_a_lone_decoders_step_is_a_few_ms_prompts_get_the_floor_not_a_tenth() -> None:
     """The bound of 3x a 4 ms step is 12 ms; 16 decoders alone take 21 ms, so without the floor
-    prompts get a tenth of a step (~3 rows; the chunk's fixed cost asks for ~13), and under load 16 streams settled at 3-7 decoding
-    while the rest waited for their prompts (236 tok/s, TTFT p50 4.8 s). The default floor lets a
-    step with prompt rows last 50 ms: ~40 rows beside the 16, and nothing changes where the
-    bound is longer than the floor (the 1.5B Qwen's: QWEN_15B's 58 ms step, 3x 174 ms)."""
+    prompts get a tenth of a step (~3 rows; the chunk's fixed cost asks for ~13), and under load
+    16 streams settled at 3-7 decoding while the rest waited for their prompts (236 tok/s, TTFT
+    p50 4.8 s). The default floor lets a step with prompt rows last 50 ms: ~40 rows beside the
+    16, and nothing changes where the bound is longer than the floor (the 1.5B Qwen's:
+    QWEN_15B's 58 ms step, 3x 174 ms)."""
     off = costs(SMOLLM2_AVX2, share=2 / 3, floor_s=0.0)
     on = costs(SMOLLM2_AVX2, share=2 / 3, floor_s=DEFAULT_STEP_FLOOR_S)
     assert off.step_target_s(16) == pytest.approx(0.021 / (1 - MIN_PROMPT_SHARE))
