@@ -23,7 +23,8 @@ wait, so the bound is a bound, not a quota. Where a step's prompt rows meet its 
 the same matmuls (model_runner.py: every row on the integer-dot kernel), a small chunk costs
 its rows; where they take another path beside the decode stack (SmolLM2's bfloat16 copy past
 16 rows), any chunk also pays a fixed cost, and a step carrying prompt rows carries at least
-enough of them to amortize it (least_rows: fitted from the measured buckets). The probe
+enough of them to amortize it (least_rows: fitted from the measured buckets; none where the
+runner says its mixed steps are always one pass, `one_pass`). The probe
 measures chunks beside one decoder, as serving runs them.
 
 A step carrying prompt rows may always last `step_floor_s` (DEFAULT_STEP_FLOOR_S, 50 ms: 20
@@ -33,7 +34,7 @@ bound), 16 decoders alone take more than the bound, prompts got their tenth of ~
 load settled where 3-7 streams decoded while the rest waited seconds for their prompts in
 chunks of ~10 rows, each paying a step's fixed cost: 236 tok/s at 16 streams, TTFT p50 4.8 s;
 with the floor 349 tok/s, TTFT p50 1.2 s, ITL p50 29 ms (llama-server's 56 ms). Where a lone
-decoder's step is long (the 1.5B Qwen: 32 ms on the Zen 5, 22 ms under its AVX2 caps) the bound
+decoder's step is long (the 1.5B Qwen: 25-33 ms on the Zen 5, 22 under its AVX2 caps) the bound
 is above the floor and the floor changes nothing. With nothing decoding there is nobody to
 stall: prefill takes the whole row cap (--max-num-batched-tokens) for throughput.
 
