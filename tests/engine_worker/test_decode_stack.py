@@ -82,6 +82,7 @@ def test_a_mixed_step_on_the_integer_dot_kernel_is_one_pass_with_the_stacks_bits
     mixed = runner.execute([*decodes, StepItem(PROMPT[3:], 0, TABLES[2])])
     assert calls == [2], "the mixed step ran its decode rows through the stack too"
     assert mixed.shape[0] == 3 and torch.equal(mixed[:2], alone), kind
+    assert runner.mixed_steps_one_pass  # what it tells the step sizing (step_costs.one_pass)
 
 
 def test_the_stack_is_refused_where_it_was_not_built(tiny_runner: ModelRunner) -> None:

@@ -276,8 +276,15 @@ def test_where_prompt_rows_ride_the_decode_rows_pass_a_chunk_has_nothing_to_amor
     assert split.prefill_rows(13) > rows
 
 
-def test_the_runner_says_whether_its_mixed_steps_are_one_pass(tiny_runner: ModelRunner) -> None:
-    """No stack beside the layers, or every row count on the integer-dot kernel: one pass."""
+def test_an_engine_over_a_one_pass_runner_sizes_its_chunks_by_the_bound_alone(
+        tiny_runner: ModelRunner) -> None:
+    """The tiny model has no stack beside its layers, so a step's prompt rows ride its decode
+    rows' pass: the engine's step sizing is told so, and prompt-row buckets that a fit reads
+    as a fixed cost ask for no amortizing minimum (test_decode_stack checks the flag where a
+    stack serves a K-quant file in one pass)."""
+    assert tiny_runner.decode_stack is None and tiny_runner.mixed_steps_one_pass
     engine = Engine(tiny_runner, max_num_seqs=4, max_num_batched_tokens=128)
-    assert engine.costs.one_pass == tiny_runner.mixed_steps_one_pass == (
-        not tiny_runner.use_stack or tiny_runner.plan.int_dot_all)
+    assert engine.costs.one_pass
+    engine.costs.seed({"decode": [[1, 1, 0.002], [4, 4, 0.003]],
+                       "prefill": [[16, 0.0004], [64, 0.0002]]})  # ~4 ms a chunk, fitted
+    assert engine.costs.chunk_cost() is not None and engine.costs.least_rows() == 1
