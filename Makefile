@@ -22,8 +22,12 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/kestrel-serve
 
+# Two test processes (pytest-xdist), each taking whole modules (a module's servers are its
+# own): the suite alone keeps about one of two cores busy. TEST_JOBS=0 runs it in
+# pytest's own process.
+TEST_JOBS ?= 2
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The engine's numerics tests again with torch, oneDNN and our kernels capped to AVX2 (what a
 # cloud VM without AVX512 runs), and the end-to-end batch-invariance test (its worker inherits the
@@ -34,8 +38,8 @@ AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KESTREL_CPU_ISA=av
 AVX2_SKIP := --ignore=tests/engine_worker/test_pretokenizer.py \
 	--deselect=tests/engine_worker/test_llama.py::test_gguf_metadata_folder_holds_no_weights
 test-avx2: install
-	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q tests/engine_worker \
-		tests/e2e/test_batch_invariance.py $(AVX2_SKIP); \
+	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q -n $(TEST_JOBS) \
+		--dist loadfile tests/engine_worker tests/e2e/test_batch_invariance.py $(AVX2_SKIP); \
 	else echo "no AVX2 on this CPU: nothing to cap"; fi
 
 lint: install
