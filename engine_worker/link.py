@@ -86,6 +86,8 @@ class WorkerLink:
         self._pull.bind(self._inproc)
         self._stop = threading.Event()
         self._dying: m.WorkerDying | None = None
+        # Silences to announce (quiet()): each its length and the event set once it is sent
+        self._quiet: queue.SimpleQueue[tuple[float, threading.Event]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kestrel-link", daemon=True)
 
     def start(self) -> None:
@@ -101,6 +103,15 @@ class WorkerLink:
     def reset_scope(self, msg: m.Reset, request_ids: list[str]) -> list[str]:
         """The requests a Reset ends: with one gateway, all of them."""
         return request_ids
+
+    def quiet(self, seconds: float, wait_s: float = 1.0) -> None:
+        """Tell the gateway now, in a heartbeat, that nothing may come from this worker for
+        `seconds`, and wait (`wait_s` at most) until it is sent: the caller is about to run
+        work that holds the GIL, through which this thread cannot send its heartbeats."""
+        sent = threading.Event()
+        self._quiet.put((seconds, sent))
+        if self._thread.is_alive():
+            sent.wait(wait_s)
 
     def stop(self, dying_reason: str | None = None, timeout: float = 2.0) -> None:
         """Flush what the engine pushed, optionally say WorkerDying, and close."""
@@ -131,11 +142,15 @@ class WorkerLink:
                 if not self.welcomed.is_set() and now >= self._next_hello:
                     sent = self._send(dealer, self.hello)
                     self._next_hello = now + (HELLO_RETRY_S if sent else HELLO_RETRY_UNSENT_S)
-                if now >= next_beat:
+                quiet = None if self._quiet.empty() else self._quiet.get_nowait()
+                if now >= next_beat or quiet is not None:
                     next_beat = now + self.heartbeat_s
-                    if self.welcomed.is_set():
+                    if self.welcomed.is_set():  # else no gateway counts our silence yet
                         self._send(dealer, m.Heartbeat(self.hello.worker_id, self.stats,
-                                                       time.time(), self.draining))
+                                                       time.time(), self.draining,
+                                                       quiet[0] if quiet else 0.0))
+                    if quiet is not None:
+                        quiet[1].set()
             self._forward(dealer)
             if self._dying is not None:
                 self._send(dealer, self._dying)

@@ -87,6 +87,10 @@ class LinkSet:
         for link in self.links:
             link.start()
 
+    def quiet(self, seconds: float, wait_s: float = 1.0) -> None:
+        for link in self.links:
+            link.quiet(seconds, wait_s)
+
     def stop(self, dying_reason: str | None = None, timeout: float = 2.0) -> None:
         for link in self.links:
             link.stop(dying_reason, timeout)

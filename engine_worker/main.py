@@ -59,7 +59,8 @@ class WorkerLoop:
         self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
                                           getattr(getattr(link, "hello", None), "worker_id", ""))
         compiler = engine.grammars  # None: no structured output here
-        self.builds = GrammarBuilds(compiler) if compiler is not None else None
+        self.builds = None if compiler is None else GrammarBuilds(
+            compiler, getattr(link, "quiet", None))
 
     def run(self) -> int:
         self.was_busy = False

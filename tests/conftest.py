@@ -122,16 +122,13 @@ def qwen_server() -> Iterator[GatewayProc]:
     the file is not in the cache's gguf/ folder (`python benchmarks/fetch_qwen_gguf.py --only
     0.5b` puts it there).
 
-    The gateway gives the worker 5 s of silence, not the default 1.5 s: the first grammar (the
-    first tool call of the session) builds llguidance's tokenizer for Qwen's 151,936-token
-    vocabulary, which holds the GIL (0.7 s on a quiet host; engine_worker/grammar.py), so the
-    worker's I/O thread sends no heartbeat meanwhile, and on a busy 2-core host it passed 1.5 s
-    once (a clean clone's CI, 2026-12-05: the worker declared lost mid-request, 503). That is a
-    worker's limit, noted to be fixed on its own (a heartbeat saying "quiet for N s" before the
-    build), not what the tests on this server are about."""
+    The gateway keeps its default heartbeat timeout (1.5 s): the first tool call of the session
+    builds llguidance's tokenizer for Qwen's 151,936-token vocabulary holding the worker's GIL
+    (0.7 s on a quiet host), which once cost a clean clone's CI a 503 mid-request; the worker
+    now announces that silence first (engine_worker/grammar_builds.py)."""
     if not QWEN_GGUF.is_file():
         pytest.skip(f"{QWEN_GGUF} is not there")
-    with GatewayProc("--heartbeat-timeout-s", "5") as gw, \
+    with GatewayProc() as gw, \
             WorkerProc(QWEN_GGUF, gw.engine_address, "--model-id", QWEN_MODEL, "--threads", "1"):
         gw.wait_ready(timeout=300)
         yield gw

@@ -267,8 +267,7 @@ class EngineClient:
                 msg = replace(msg, finish_reason="abort")  # it becomes a metric label: bounded
             self._deliver(worker, msg)
         elif isinstance(msg, m.Heartbeat):
-            worker.on_heartbeat(msg.stats)
-            worker.draining = msg.draining
+            worker.on_heartbeat(msg)
             for callback in self.on_stats:
                 callback(worker, msg.stats)
         elif isinstance(msg, m.WorkerDying):

@@ -6,7 +6,8 @@
     any other frame from an unknown peer ──▶ dropped undecoded, at most one Reset per peer per
         RESET_INTERVAL_S (a worker of a previous gateway life says Hello again)
     silent for heartbeat_timeout_s while the gateway listened (a time its own loop was held
-        does not count), or its connection closed (probed at each disconnect event)
+        does not count, nor a silence it announced: Heartbeat.quiet_s, MAX_QUIET_S at most),
+        or its connection closed (probed at each disconnect event)
         ──▶ on_lost(worker, reason): gateway.engine.engine_client fails or moves its requests
 """
 
@@ -155,5 +156,5 @@ class Membership:
                     worker.last_seen = min(now, worker.last_seen + deaf)
                 continue
             for worker in list(self.registry.workers.values()):
-                if worker.ready and now - worker.last_seen > self.heartbeat_timeout_s:
+                if worker.ready and worker.silent_for(now) > self.heartbeat_timeout_s:
                     self.on_lost(worker, f"silent for {now - worker.last_seen:.1f} s")

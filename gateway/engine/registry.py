@@ -15,6 +15,8 @@ the largest of its workers'; the router sends a request only to a worker whose o
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -24,7 +26,12 @@ from protocol import messages as m
 
 # Bounds on what a Hello may claim. A worker is authenticated (CURVE) but still not trusted to
 # size the gateway: these keep one bad or buggy worker from inflating admission or metrics.
+log = logging.getLogger("kestrel.gateway.engine")
+
 MAX_WORKERS = 256
+# The longest silence a worker may announce in one heartbeat (Heartbeat.quiet_s): a hung worker
+# that said it would be quiet is still lost, this much later.
+MAX_QUIET_S = 30.0
 MAX_MODELS = 16
 MAX_NUM_SEQS = 1024
 MAX_MODEL_LEN = 1 << 20
@@ -76,6 +83,8 @@ class WorkerState:
     others: int = 0
     # When it sent frames no honest worker sends (EngineClient._refuse), within a window.
     faults: list[float] = field(default_factory=list)
+    # Until when its silence is not counted: it said it would be quiet (Heartbeat.quiet_s).
+    quiet_until: float = 0.0
 
     @property
     def name(self) -> str:
@@ -94,9 +103,22 @@ class WorkerState:
         then sent the next burst elsewhere: two workers served bursts at 0.72 of 2 x one)."""
         return len(self.inflight) + self.others
 
-    def on_heartbeat(self, stats: m.Stats) -> None:
-        self.stats = stats
-        self.others = max(0, stats.running + stats.waiting - len(self.inflight))
+    def on_heartbeat(self, beat: m.Heartbeat) -> None:
+        self.stats = beat.stats
+        self.others = max(0, beat.stats.running + beat.stats.waiting - len(self.inflight))
+        self.draining = beat.draining
+        quiet = beat.quiet_s
+        if not (isinstance(quiet, (int, float)) and math.isfinite(quiet) and quiet > 0):
+            self.quiet_until = 0.0  # beating as usual: its silence counts from its last frame
+            return
+        if not self.quiet_until:  # once per quiet spell: a rogue's beats must not fill the log
+            log.info("worker %s may be silent for up to %.1f s (work that holds its GIL)",
+                     self.name, min(quiet, MAX_QUIET_S))
+        self.quiet_until = time.monotonic() + min(quiet, MAX_QUIET_S)
+
+    def silent_for(self, now: float) -> float:
+        """How long it has been silent, not counting a silence it announced."""
+        return now - max(self.last_seen, self.quiet_until)
 
 
 @dataclass

@@ -134,3 +134,21 @@ def test_bad_constraint_is_400_at_once_and_nothing_leaks(tiny_server, extra, par
     metrics = httpx.get(gw.base_url + "/metrics", timeout=10).text
     assert re.search(r"^kestrel_requests_in_flight(\{[^}]*\})? 0\.0$", metrics, re.M), \
         [m for m in metrics.splitlines() if "in_flight" in m]
+
+
+def test_the_first_grammar_announces_the_workers_silence_once_and_it_stays(
+        tiny_server, client: openai.OpenAI) -> None:  # noqa: ANN001
+    """llguidance builds its tokenizer on the worker's first grammar holding the GIL, so the
+    worker's heartbeats stop meanwhile: it says so first, over the real link, and the gateway
+    logs it once (a gateway that did not know dropped a worker mid-request for that silence).
+    The worker stays the one serving."""
+    gw, wk = tiny_server
+    fmt = {"type": "json_object"}
+    for seed in range(2):
+        client.chat.completions.create(
+            model="tiny-llama-seed0", messages=[{"role": "user", "content": "json"}],
+            seed=seed, max_tokens=8, response_format=fmt)
+    said = [e for e in gw.log_lines() if "may be silent" in e.get("msg", "")]
+    assert len(said) == 1 and "may be silent for up to 10.0 s" in said[0]["msg"], said
+    assert not [e for e in gw.log_lines() if "lost" in e.get("msg", "")]
+    assert wk.popen.poll() is None

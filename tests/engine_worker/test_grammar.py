@@ -5,6 +5,7 @@ EOS. On the tiny random Llama, whose unconstrained output is noise."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,25 @@ def test_llguidance_tokenizer_is_built_by_the_first_grammar_not_at_start(
     tok = fresh.tokenizer
     fresh.matcher('{"grammars": [{"lark_grammar": "start: \\"b\\""}]}')
     assert fresh.tokenizer is tok
+
+
+def test_the_link_announces_a_silence_before_the_tokenizer_build_and_only_then(
+        tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    """llguidance holds the GIL while it builds its tokenizer, so the worker's heartbeats stop:
+    the builder has the link say so first (a gateway dropped a worker mid-request for that
+    silence). Once built, later grammars announce nothing."""
+    from engine_worker.grammar_builds import TOKENIZER_BUILD_QUIET_S, GrammarBuilds
+
+    fresh = GrammarCompiler((tiny_dir / "tokenizer.json").read_text(),
+                            tiny_runner.config.vocab_size, list(tiny_runner.config.eos_token_ids))
+    announced: list[tuple[float, bool]] = []
+    builds = GrammarBuilds(fresh, lambda s: announced.append((s, fresh.built)))
+    grammar = '{"grammars": [{"lark_grammar": "start: \\"a\\""}]}'
+    for rid in ("a", "b"):
+        builds.start(m.Generate(rid, [1, 2], m.SamplingParams(), grammar=grammar))
+        for _ in range(500):
+            if [r for r, _ in builds.ready() if r.request_id == rid]:
+                break
+            time.sleep(0.01)
+    assert announced == [(TOKENIZER_BUILD_QUIET_S, False)]  # before the build, once
+    assert fresh.built

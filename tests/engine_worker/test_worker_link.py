@@ -166,3 +166,28 @@ def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
     finally:
         link.stop()
         gw.sock.close()
+
+
+def test_a_silence_is_announced_in_a_heartbeat_sent_before_quiet_returns() -> None:
+    """WorkerLink.quiet: the heartbeat saying so leaves at once (not at the next beat, 10 s
+    away here) and before the caller goes on to hold the GIL; the beats after it say nothing."""
+    gw = FakeGateway()
+    hello = m.Hello(m.PROTOCOL_VERSION, uuid.uuid4().hex, "x", 64, 64, 1, TOK)
+    link = WorkerLink(gw.address, hello, heartbeat_s=10.0)
+    link.start()
+    try:
+        got = gw.recv(10)
+        assert got is not None and isinstance(got[1], m.Hello)
+        gw.send(got[0], m.Welcome(m.PROTOCOL_VERSION, True))
+        assert link.welcomed.wait(5)
+        while (item := gw.recv(0.3)) is not None:  # the first beat, on welcome
+            assert isinstance(item[1], m.Heartbeat) and item[1].quiet_s == 0.0
+        t0 = time.monotonic()
+        link.quiet(7.5)
+        returned = time.monotonic() - t0
+        item = gw.recv(2.0)  # sent when quiet() returned
+        assert item is not None and isinstance(item[1], m.Heartbeat), item
+        assert item[1].quiet_s == 7.5 and returned < 1.0
+    finally:
+        link.stop()
+        gw.sock.close()

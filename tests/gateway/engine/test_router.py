@@ -107,8 +107,8 @@ def test_a_worker_that_just_emptied_gets_its_share_of_the_next_burst() -> None:
     a, b = (WorkerState(name, W(name).hello, i, 0.0, ready=True) for i, name in
             enumerate((b"a", b"b")))
     a.inflight = {f"r{i}" for i in range(8)}
-    a.on_heartbeat(m.Stats(running=8))
-    b.on_heartbeat(m.Stats())
+    a.on_heartbeat(m.Heartbeat("a", m.Stats(running=8)))
+    b.on_heartbeat(m.Heartbeat("b", m.Stats()))
     a.inflight.clear()  # the burst ended; no beat since
     router = Router("cache_aware", rng=random.Random(0))
     for i in range(16):
@@ -124,7 +124,7 @@ def test_a_heartbeat_counting_more_than_ours_adds_the_difference() -> None:
 
     w = WorkerState(b"w", W(b"w").hello, 0, 0.0, ready=True)
     w.inflight = {"ours-1", "ours-2"}
-    w.on_heartbeat(m.Stats(running=5, waiting=1))
+    w.on_heartbeat(m.Heartbeat("w", m.Stats(running=5, waiting=1)))
     assert w.load == 6
     w.inflight.add("ours-3")
     assert w.load == 7
