@@ -198,7 +198,9 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_0(
                                        b"Connection: close\r\n"
                                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))
         time.sleep(0.1)
-        streams = start_streams(gw, 3, tokens=100)
+        # 400 tokens (~1 s on the tiny model): the drain must still be running when the checks
+        # below begin, with another test process beside this one (100 ended first once).
+        streams = start_streams(gw, 3, tokens=400)
         gw.signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.05)
