@@ -10,6 +10,8 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -139,7 +141,10 @@ class FakeGateway:
         self.sock.send_multipart([identity, *codec.encode(msg)])
 
 
-def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
+@contextmanager
+def welcomed_link() -> Iterator[tuple[FakeGateway, WorkerLink, bytes]]:
+    """A real WorkerLink (heartbeats 10 s apart) that this test's gateway has welcomed; the
+    gateway, the link and the link's routing id."""
     gw = FakeGateway()
     hello = m.Hello(m.PROTOCOL_VERSION, uuid.uuid4().hex, "x", 64, 64, 1, TOK)
     link = WorkerLink(gw.address, hello, heartbeat_s=10.0)
@@ -147,9 +152,16 @@ def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
     try:
         got = gw.recv(10)
         assert got is not None and isinstance(got[1], m.Hello)
-        identity = got[0]
-        gw.send(identity, m.Welcome(m.PROTOCOL_VERSION, True))
+        gw.send(got[0], m.Welcome(m.PROTOCOL_VERSION, True))
         assert link.welcomed.wait(5)
+        yield gw, link, got[0]
+    finally:
+        link.stop()
+        gw.sock.close()
+
+
+def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
+    with welcomed_link() as (gw, link, identity):
         for _ in range(200):  # a restarted gateway answering each queued frame
             gw.send(identity, m.Reset("unknown worker: say hello"))
         out = link.open_outbound()
@@ -163,23 +175,12 @@ def test_resets_in_a_burst_get_one_hello_and_stale_frames_are_dropped() -> None:
         resets = [msg for msg in list(link.inbound.queue) if isinstance(msg, m.Reset)]
         assert len(resets) == 1  # the engine aborts its requests once
         out.close()
-    finally:
-        link.stop()
-        gw.sock.close()
 
 
 def test_a_silence_is_announced_in_a_heartbeat_sent_before_quiet_returns() -> None:
     """WorkerLink.quiet: the heartbeat saying so leaves at once (not at the next beat, 10 s
-    away here) and before the caller goes on to hold the GIL; the beats after it say nothing."""
-    gw = FakeGateway()
-    hello = m.Hello(m.PROTOCOL_VERSION, uuid.uuid4().hex, "x", 64, 64, 1, TOK)
-    link = WorkerLink(gw.address, hello, heartbeat_s=10.0)
-    link.start()
-    try:
-        got = gw.recv(10)
-        assert got is not None and isinstance(got[1], m.Hello)
-        gw.send(got[0], m.Welcome(m.PROTOCOL_VERSION, True))
-        assert link.welcomed.wait(5)
+    away here) and before the caller goes on to hold the GIL; the beats before it say nothing."""
+    with welcomed_link() as (gw, link, _):
         while (item := gw.recv(0.3)) is not None:  # the first beat, on welcome
             assert isinstance(item[1], m.Heartbeat) and item[1].quiet_s == 0.0
         t0 = time.monotonic()
@@ -188,6 +189,3 @@ def test_a_silence_is_announced_in_a_heartbeat_sent_before_quiet_returns() -> No
         item = gw.recv(2.0)  # sent when quiet() returned
         assert item is not None and isinstance(item[1], m.Heartbeat), item
         assert item[1].quiet_s == 7.5 and returned < 1.0
-    finally:
-        link.stop()
-        gw.sock.close()
