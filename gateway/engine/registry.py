@@ -24,10 +24,10 @@ from dataclasses import dataclass, field, replace
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m
 
-# Bounds on what a Hello may claim. A worker is authenticated (CURVE) but still not trusted to
-# size the gateway: these keep one bad or buggy worker from inflating admission or metrics.
 log = logging.getLogger("kestrel.gateway.engine")
 
+# Bounds on what a Hello may claim. A worker is authenticated (CURVE) but still not trusted to
+# size the gateway: these keep one bad or buggy worker from inflating admission or metrics.
 MAX_WORKERS = 256
 # The longest silence a worker may announce in one heartbeat (Heartbeat.quiet_s): a hung worker
 # that said it would be quiet is still lost, this much later.
@@ -85,6 +85,7 @@ class WorkerState:
     faults: list[float] = field(default_factory=list)
     # Until when its silence is not counted: it said it would be quiet (Heartbeat.quiet_s).
     quiet_until: float = 0.0
+    quiet_logged: float = -3600.0  # when that was last logged: once a minute at most
 
     @property
     def name(self) -> str:
@@ -111,10 +112,12 @@ class WorkerState:
         if not (isinstance(quiet, (int, float)) and math.isfinite(quiet) and quiet > 0):
             self.quiet_until = 0.0  # beating as usual: its silence counts from its last frame
             return
-        if not self.quiet_until:  # once per quiet spell: a rogue's beats must not fill the log
+        now = time.monotonic()
+        if now - self.quiet_logged > 60:  # a rogue's beats must not fill the log
+            self.quiet_logged = now
             log.info("worker %s may be silent for up to %.1f s (work that holds its GIL)",
                      self.name, min(quiet, MAX_QUIET_S))
-        self.quiet_until = time.monotonic() + min(quiet, MAX_QUIET_S)
+        self.quiet_until = now + min(quiet, MAX_QUIET_S)
 
     def silent_for(self, now: float) -> float:
         """How long it has been silent, not counting a silence it announced."""

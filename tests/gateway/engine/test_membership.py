@@ -119,3 +119,15 @@ def test_an_announced_silence_is_bounded(quiet: float) -> None:
         assert worker.quiet_until == pytest.approx(now + MAX_QUIET_S, abs=0.5)
     else:
         assert worker.quiet_until == 0.0
+
+
+def test_announced_silences_are_logged_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker alternating quiet and ordinary beats cannot fill the gateway's log."""
+    registry = Registry()
+    worker = registry.admit(b"w", hello(), codec.tokenizer_digest(TOK),
+                            tokenizer=FAKE_TOKENIZER)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="kestrel.gateway.engine"):
+        for _ in range(50):
+            worker.on_heartbeat(m.Heartbeat("w", m.Stats(), quiet_s=5.0))
+            worker.on_heartbeat(m.Heartbeat("w", m.Stats()))
+    assert len([r for r in caplog.records if "may be silent" in r.getMessage()]) == 1
