@@ -10,8 +10,6 @@ tokenizer as save_gguf_tokenizer writes it share this one folder and only read i
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -76,21 +74,13 @@ def smollm2_meta_dir(gguf_meta_cache: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir: Path, smollm2_dir: Path) -> Path:
+    from engine_worker.model.loader import write_folder_once
     from engine_worker.model.tiny import make_tiny_checkpoint
 
     path = cache_dir / "tiny-llama-seed0"
-    if not (path / "config.json").exists():
-        # Written whole, then renamed: the other test process may be reading the folder.
-        tmp = cache_dir / f".tiny-llama-seed0.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            make_tiny_checkpoint(tmp, seed=0, tokenizer_from=smollm2_dir)
-            try:
-                os.rename(tmp, path)
-            except OSError:
-                if not (path / "config.json").exists():  # not a lost race
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not (path / "config.json").exists():  # the other test process may be reading it
+        write_folder_once(path, lambda tmp: make_tiny_checkpoint(
+            tmp, seed=0, tokenizer_from=smollm2_dir))
     return path
 
 

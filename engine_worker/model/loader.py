@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,17 @@ def _converted(gguf: Path, cache_dir: Path, weights: bool = True) -> Path:
 
         raise ModelRefused(f"the GGUF file's vocabulary (tokenizer.ggml.tokens) has {vocab:,} "
                            f"tokens, over the limit of {MAX_VOCAB:,}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return write_folder_once(final, lambda tmp: convert_gguf(gguf, tmp, weights))
+
+
+def write_folder_once(final: Path, write: Callable[[Path], object]) -> Path:
+    """`final` (a checkpoint folder, whole once its config.json is there), written by
+    `write(tmp)` into a temporary sibling and renamed: a process reading it never sees it half
+    written, and of several processes writing it at once the first rename wins."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        convert_gguf(gguf, tmp, weights)
+        write(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

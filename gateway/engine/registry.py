@@ -109,7 +109,7 @@ class WorkerState:
         self.others = max(0, beat.stats.running + beat.stats.waiting - len(self.inflight))
         self.draining = beat.draining
         quiet = beat.quiet_s
-        if not (isinstance(quiet, (int, float)) and math.isfinite(quiet) and quiet > 0):
+        if not (math.isfinite(quiet) and quiet > 0):  # the codec made it a float
             self.quiet_until = 0.0  # beating as usual: its silence counts from its last frame
             return
         now = time.monotonic()
