@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: install serve test test-avx2 lint clean images python-base
+.PHONY: install serve test test-avx2 test-slow-host lint clean images python-base
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test-avx2: install
 	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q -n $(TEST_JOBS) \
 		--dist loadfile tests/engine_worker tests/e2e/test_batch_invariance.py $(AVX2_SKIP); \
 	else echo "no AVX2 on this CPU: nothing to cap"; fi
+
+# make test as on a host SLOWDOWN times slower than this one: a CPU quota of this host's cores
+# divided by SLOWDOWN for everything it starts (needs root and a writable cgroup file system).
+SLOWDOWN ?= 1.9
+test-slow-host: install
+	$(PY) benchmarks/slow_host.py --slowdown $(SLOWDOWN) -- $(MAKE) test
 
 lint: install
 	$(VENV)/bin/ruff check .

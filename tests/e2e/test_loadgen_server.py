@@ -46,4 +46,8 @@ def test_saturated_server_rejections_and_on_time_sends(tiny_model_dir: Path) -> 
     assert s.rejected > 0, "the server was meant to be saturated"
     assert s.errors == 0 and s.completed + s.rejected == 60
     assert all(r.status == 429 for r in result.records if r.rejected)
-    assert max(r.sent_s - r.scheduled_s for r in result.records) < 0.05
+    # On schedule: a sender that waited for answers would fall seconds behind the 1.5 s
+    # schedule (60 requests at 40/s, each admitted one streaming 40 tokens). The bound leaves
+    # room for a loaded host's scheduling hiccups (a send 71 ms late was seen with three test
+    # processes on two cores, against the 50 ms this bound was), and is still a sixth of it.
+    assert max(r.send_lag_s for r in result.records) < 0.25

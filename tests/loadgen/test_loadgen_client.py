@@ -90,17 +90,18 @@ def test_closed_loop_for_a_duration() -> None:
 
 def test_open_loop_sends_on_schedule_while_the_server_is_saturated() -> None:
     # Each response takes 1 s to begin while requests arrive at 40/s: ~40 are in flight at once.
-    # An open loop must still send every request within 50 ms of its scheduled time.
+    # An open loop must still send every request on schedule: a sender that waited for an
+    # answer would be 1 s late; the bound (a quarter of that) leaves room for a loaded host.
     with FakeOpenAI(first_delay_s=1.0) as server:
         t0 = time.perf_counter()
         result = run(config(server, mode="open", rate=40.0, num_requests=40, seed=1,
                             workload=WorkloadConfig(LengthDist.fixed(4), LengthDist.fixed(2))))
         elapsed = time.perf_counter() - t0
     lags = [r.send_lag_s for r in result.records]
-    assert max(lags) < 0.050, max(lags)
+    assert max(lags) < 0.25, max(lags)
     assert min(lags) >= 0
     assert server.max_in_flight > 20  # the server really was holding many requests
-    assert result.summary.max_send_lag_ms < 50
+    assert result.summary.max_send_lag_ms < 250
     assert result.summary.completed == 40 and result.summary.offered_rate == 40.0
     last_scheduled = max(r.scheduled_s for r in result.records)
     assert elapsed < last_scheduled + 3.0  # ~1 s of response after the last send
