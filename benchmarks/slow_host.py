@@ -55,7 +55,8 @@ def main() -> int:
         print(f"slow_host: cannot make a cgroup with a CPU quota here ({e})", file=sys.stderr)
         return 2
     print(f"slow_host: {cores:.2f} cores' worth of CPU time ({a.slowdown}x slower than "
-          f"{len(os.sched_getaffinity(0))} cores), period {PERIOD_US // 1000} ms", flush=True)
+          f"{len(os.sched_getaffinity(0))} cores), period {PERIOD_US // 1000} ms, cgroup {group}",
+          flush=True)
     start = time.monotonic()
     child = subprocess.Popen(command, preexec_fn=lambda: procs.write_text(str(os.getpid())))
     rc = child.wait()
