@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine_worker.compiled_step import compiler_available
+from engine_worker.compiled_step import compiler_available  # noqa: F401 (the skip string)
 from tests.procs import GatewayProc, WorkerProc
 
 # A string: evaluated when a test of this module is set up, so Inductor (a second's import) is

@@ -15,7 +15,7 @@ import gguf
 import pytest
 import torch
 
-from engine_worker.compiled_step import MIN_CONTEXT, compiler_available
+from engine_worker.compiled_step import MIN_CONTEXT, compiler_available  # noqa: F401 (skip string)
 from engine_worker.config import WorkerConfig
 from engine_worker.model.loader import load_config
 from engine_worker.model_runner import ModelRunner
