@@ -23,20 +23,20 @@ from pathlib import Path
 PERIOD_US = 10_000
 
 
-def make_group(name: str, cores: float) -> tuple[Path, Path]:
-    """(the cgroup's folder, its procs file), with the CPU quota set."""
+def make_group(name: str, cores: float) -> Path:
+    """The cgroup's folder, with the CPU quota set."""
     quota = max(1000, int(cores * PERIOD_US))
     v2 = Path("/sys/fs/cgroup")
     if (v2 / "cgroup.controllers").exists():
         group = v2 / name
         group.mkdir(exist_ok=True)
         (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-        return group, group / "cgroup.procs"
+        return group
     group = Path("/sys/fs/cgroup/cpu") / name
     group.mkdir(exist_ok=True)
     (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
     (group / "cpu.cfs_quota_us").write_text(str(quota))
-    return group, group / "cgroup.procs"
+    return group
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
         ap.error("give --slowdown >= 1 and a command after --")
     cores = len(os.sched_getaffinity(0)) / a.slowdown
     try:
-        group, procs = make_group(f"kestrel-slow-{os.getpid()}", cores)
+        group = make_group(f"kestrel-slow-{os.getpid()}", cores)
     except OSError as e:
         print(f"slow_host: cannot make a cgroup with a CPU quota here ({e})", file=sys.stderr)
         return 2
@@ -58,7 +58,8 @@ def main() -> int:
           f"{len(os.sched_getaffinity(0))} cores), period {PERIOD_US // 1000} ms, cgroup {group}",
           flush=True)
     start = time.monotonic()
-    child = subprocess.Popen(command, preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    child = subprocess.Popen(command, preexec_fn=lambda: (group / "cgroup.procs").write_text(
+        str(os.getpid())))
     rc = child.wait()
     wall = time.monotonic() - start
     print(f"slow_host: {' '.join(command)}: exit {rc} after {int(wall // 60)} min "
