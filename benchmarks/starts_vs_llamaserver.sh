@@ -10,9 +10,9 @@ for pair in "smollm2:$E" "qwen-0.5b:$Q05" "qwen-1.5b:$Q15"; do
   name=${pair%%:*}; f=${pair#*:}
   cold=$(mktemp -d); ln -s ~/.cache/kestrel/kernels $cold/kernels
   $PY benchmarks/start_time.py --llama-server $LS $f "$name llama-server"; sleep 2
-  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py /work/main $f "$name kestrel cold"; sleep 2
-  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py /work/main $f "$name kestrel second start (path choice checked again)"; sleep 2
-  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py /work/main $f "$name kestrel warm"; sleep 2
+  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py "$PWD" $f "$name kestrel cold"; sleep 2
+  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py "$PWD" $f "$name kestrel second start (path choice checked again)"; sleep 2
+  KESTREL_CACHE_DIR=$cold $PY benchmarks/start_time.py "$PWD" $f "$name kestrel warm"; sleep 2
   $PY benchmarks/start_time.py --llama-server $LS $f "$name llama-server"; sleep 2
   rm -rf $cold
 done
