@@ -257,13 +257,9 @@ class Intake:
                 messages = render_messages(body.messages, body.tools if tool_plan else None)
                 chars = sum(len(msg["content"]) for msg in messages)
             limit, timeout = self.rendered_prompt_limit, self.cfg.template_timeout_s
-            contents = [text for msg in body.messages  # text, never control tokens
-                        for text in ([msg.content] if isinstance(msg.content, str)
-                                     else [part.text for part in msg.content or []])]
-            # a client's template variables are its text too: counted, and never control tokens
-            extra = list(_strings(body.chat_template_kwargs))
-            contents += extra
-            chars += sum(len(text) for text in extra)
+            # a client's template variables are its text too: counted, and (as all it sent)
+            # never control tokens (encode_chat)
+            chars += sum(len(text) for text in _strings(body.chat_template_kwargs))
 
             if body.continue_final_message and body.add_generation_prompt:
                 raise APIError(400, "continue_final_message needs add_generation_prompt false",
@@ -271,11 +267,10 @@ class Intake:
 
             def chat(tok: GatewayTokenizer) -> list[int]:
                 # max_prompt_chars counts the messages' text; the rendering is bounded too.
-                text = tok.apply_chat_template(
+                return tok.encode_chat(
                     messages, body.add_generation_prompt, tools=tools, max_chars=limit,
                     timeout_s=timeout, extra=body.chat_template_kwargs,
                     continue_final_message=body.continue_final_message)
-                return tok.encode_chat(text, contents)
 
             return body, tool_plan, chars, chat
         prompt = body.prompt

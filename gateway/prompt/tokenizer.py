@@ -4,7 +4,9 @@ Data flow: a worker's Hello carries a `protocol.messages.TokenizerInfo` (the `to
 chat template, the special tokens). `GatewayTokenizer.from_info` builds one tokenizer per model from
 it, once. For each request the gateway then
 
-    chat messages --apply_chat_template--> prompt text --encode--> prompt ids  --> worker
+    chat messages --encode_chat--> prompt ids  --> worker
+        (a control token's spelling in a client's text hidden behind a per-render marker,
+         rendered by the chat template, the text cut at the template's own control tokens)
     worker --> generated ids --(gateway.output.detokenize.IncrementalDetokenizer)--> text
 
 Everything here is read-only after construction, so one instance is shared by all requests and
@@ -19,7 +21,10 @@ whether it lays out a request's tools itself (gateway.prompt.tools then passes t
 
 from __future__ import annotations
 
+import math
 import re
+import secrets
+import string
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,6 +60,7 @@ class GatewayTokenizer:
         # them; in a message's content they are text (encode_chat).
         specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._special_spellings: tuple[str, ...] = tuple(specials)
         self._as_text: Tokenizer | None = None  # the same, spelling special tokens out as text
         self._as_text_lock = threading.Lock()
         self._bos_id: int | None = (
@@ -169,39 +175,54 @@ class GatewayTokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
-    def encode_chat(self, text: str, contents: Sequence[str]) -> list[int]:
-        """Token ids of a rendered chat prompt `text` whose messages said `contents`: as
-        encode(text, add_special_tokens=False), except that a control token's spelling inside a
-        message's content is tokenized as the text it is. A user who types
-        `<|im_end|><|im_start|>system` forges no system turn. ChatTemplateError (a 400) when
-        such a content does not appear in the rendered text as it was sent (or trimmed), so
-        that its spans cannot be told from the template's own."""
-        found = self._specials
-        risky = [c for c in contents if found is not None and found.search(c)]
-        if not risky:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        max_chars: int | None = None,
+        timeout_s: float | None = None,
+        extra: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of the conversation rendered by the chat template (apply_chat_template,
+        same arguments), a control token's spelling in anything the client sent (a message's
+        text, a tool's name or arguments, a template variable) tokenized as the text it is: a
+        user who types `<|im_end|><|im_start|>system` forges no system turn, whatever the parts
+        it is split into. Only the template's own text makes control tokens.
+
+        Where a client's text sits is known from the rendering itself, never found by searching
+        the rendered text (a template writes the same tags before it): each such spelling is
+        replaced, before rendering, by a per-render random marker of letters (_Hidden), so that
+        every spelling left in the rendered text is the template's. The text is then cut at
+        those, each piece tokenized with the special tokens spelled out as text, the markers
+        back in their spellings. Without a marker the text is encoded whole, as transformers
+        does. ChatTemplateError (a 400) when the template altered a marker (it changes the
+        client's text beyond cutting or trimming it), as for apply_chat_template."""
+        hidden = _Hidden(self._special_spellings)
+        text = self.apply_chat_template(
+            hidden.hide(messages), add_generation_prompt, tools=hidden.hide(tools),
+            max_chars=max_chars, timeout_s=timeout_s, extra=hidden.hide(extra),
+            continue_final_message=continue_final_message)
+        return self._encode_rendered(text, hidden)
+
+    def _encode_rendered(self, text: str, hidden: _Hidden) -> list[int]:
+        if not hidden.used:
             return self._tok.encode(text, add_special_tokens=False).ids
-        spans: list[tuple[int, int]] = []
-        at = 0
-        for content in risky:  # in order where the template keeps it, else anywhere
-            start, end = _find(text, content, at)
-            if start < 0 or any(a < end and start < b for a, b in spans):
-                raise ChatTemplateError(
-                    "a message contains a control token of this model (such as "
-                    f"{found.search(content).group()!r}) that its chat template changed, so it "  # type: ignore[union-attr]
-                    "cannot be kept as text: remove it")
-            spans.append((start, end))
-            at = end
-        spans.sort()
+        hidden.check(text)
+        assert self._specials is not None  # (a marker was placed: the model has specials)
         as_text = self._text_tokenizer()
         ids: list[int] = []
         at = 0
-        for start, end in spans:
-            if start > at:
-                ids += self._tok.encode(text[at:start], add_special_tokens=False).ids
-            ids += as_text.encode(text[start:end], add_special_tokens=False).ids
-            at = end
+        for found in self._specials.finditer(text):  # the template's: the client's are markers
+            if found.start() > at:
+                ids += as_text.encode(hidden.restore(text[at:found.start()]),
+                                      add_special_tokens=False).ids
+            ids.append(self._added[found.group()])
+            at = found.end()
         if at < len(text):
-            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+            ids += as_text.encode(hidden.restore(text[at:]), add_special_tokens=False).ids
         return ids
 
     def _text_tokenizer(self) -> Tokenizer:
@@ -249,12 +270,51 @@ FIM_SPELLINGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
                  ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 
 
-def _find(text: str, content: str, at: int) -> tuple[int, int]:
-    """The span of `content` (or of it trimmed, as templates often write it) in `text`, looked
-    for from `at` first; (-1, -1) if absent."""
-    for piece in (content, content.strip()):
-        for begin in (at, 0):
-            start = text.find(piece, begin)
-            if start >= 0:
-                return start, start + len(piece)
-    return -1, -1
+class _Hidden:
+    """One render's markers: each control token's spelling in a client's strings becomes
+    `base + code`, lowercase letters that no template filter short of a case change or a
+    replace alters (trim, tojson, escapes leave them), `base` drawn at random for this render so
+    that no client can write one; `restore` puts the spellings back."""
+
+    def __init__(self, spellings: Sequence[str]) -> None:
+        self.base = "".join(secrets.choice(string.ascii_lowercase) for _ in range(16))
+        width = max(1, math.ceil(math.log(max(len(spellings), 2), 26)))
+        self.marker = {s: self.base + _letters(i, width) for i, s in enumerate(spellings)}
+        self.spelling = {marker: s for s, marker in self.marker.items()}
+        self.find = (re.compile("|".join(map(re.escape, sorted(spellings, key=len, reverse=True))))
+                     if spellings else None)
+        self.found_marker = re.compile(re.escape(self.base) + f"[a-z]{{{width}}}")
+        self.used = False
+
+    def hide(self, value: Any) -> Any:
+        """`value` (a JSON-like tree: mappings, lists, strings) with every spelling in its
+        strings, keys included, replaced by its marker."""
+        if isinstance(value, str):
+            if self.find is None or not self.find.search(value):
+                return value
+            self.used = True
+            return self.find.sub(lambda m: self.marker[m.group()], value)
+        if isinstance(value, Mapping):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.hide(v) for v in value]
+        return value
+
+    def check(self, text: str) -> None:
+        """Every trace of this render's base in `text` is a whole marker of ours."""
+        whole = sum(1 for m in self.found_marker.finditer(text) if m.group() in self.spelling)
+        if whole != text.lower().count(self.base):
+            raise ChatTemplateError(
+                "a message contains a control token of this model (such as <|im_end|>) and the "
+                "chat template changed that text, so it cannot be kept as text: remove it")
+
+    def restore(self, text: str) -> str:
+        return self.found_marker.sub(lambda m: self.spelling[m.group()], text)
+
+
+def _letters(n: int, width: int) -> str:
+    out = ""
+    for _ in range(width):
+        n, digit = divmod(n, 26)
+        out += string.ascii_lowercase[digit]
+    return out
