@@ -49,8 +49,8 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
         await state.client.start()
         lag = asyncio.create_task(LoopLag(state.metrics.loop_lag.observe).watch(), name="loop-lag")
         pool = state.models_on_demand
-        sleeper = (asyncio.create_task(pool.sleep_idle(), name="sleep-idle")
-                   if pool is not None and pool.sleep_idle_s > 0 else None)
+        sleeper = (asyncio.create_task(pool.run(), name="models-on-demand")
+                   if pool is not None else None)  # their lifecycle moves whoever waits
         try:
             yield
         finally:

@@ -2,7 +2,7 @@
 API): one request's life at the gateway, from its arrival to its last byte, owned by one object.
 
     Exchange.run(): auth.guard (401, 429) ──▶ admit.precheck (503, 429) ──▶ heavy.hold (429) ──▶
-        intake.read (413/408/400/422) ──▶ [--models-dir: its model loaded: 503, 504] ──▶
+        intake.read (413/408/400/422) ──▶ [--models-dir: its claim granted: 503, 504, 429] ──▶
         admit.reserve (429: the Ticket) ──▶ intake.prepare (tokens, in a thread) ──▶
         admit.check_fit (400, 429) ──▶ admit.seat (the Slot: 504, 503) ──▶ a Generation
         started at a worker ──▶ collected (JSON), or streamed (SSE)
@@ -34,7 +34,7 @@ from gateway.dialects.anthropic_reply import MessagesFormatter
 from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
 from gateway.dialects.responses_reply import ResponsesFormatter
 from gateway.engine.engine_client import NoWorkerError
-from gateway.engine.on_demand import OnDemand
+from gateway.engine.on_demand import Claim
 from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
 from gateway.output.formatters import Formatter
 from gateway.output.generation import EngineFailure, Generation
@@ -76,6 +76,7 @@ class Exchange:
         self.status: int | None = None  # None: never answered (the server stopped first)
         self.finish: str | None = None  # the route's word (aborted, timeout), where it says more
         self.streaming = False  # a stream took it over: the stream closes it
+        self.claim: Claim | None = None  # --models-dir: its hold on its model, until reserved
         self._recorded = False
 
     async def run(self) -> Response:
@@ -102,16 +103,15 @@ class Exchange:
         with state.heavy.hold(request, client):  # a large body: 429?
             draft = await state.intake.read(self.route, request, self.arrival)
             pool = state.models_on_demand
-            if pool is not None and draft.stream and not pool.ready(draft.body.model):
-                # --models-dir: answer 200 now and keep it alive while the worker starts
-                return self._stream(draft.deadline, self._way_in(draft, key))
-            # Its model's worker started and joined first. The wait's task ends a loop turn
-            # before this resumes, and another request's load may unload the model meanwhile:
-            # it is looked at again here, with no await from this check to the reservation.
-            while pool is not None and not pool.ready(draft.body.model):
-                await unless_gone(gone, _loaded(pool, draft.body.model, draft.deadline))
-            # no await from here to the reservation: an idle model is unloaded only between
+            if pool is not None:  # --models-dir: a claim on its model until it has its place
+                self.claim = pool.claim(draft.body.model, draft.deadline)
+                if draft.stream and not self.claim.granted:
+                    # answer 200 now and keep it alive while the worker starts
+                    return self._stream(draft.deadline, self._way_in(draft, key))
+                # The granted claim keeps its model from eviction until the reservation.
+                await unless_gone(gone, _granted(self.claim))
             self.ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
+            self._unclaim()  # admission counts it for its model from here on
             # Tokenizing happens while the ticket holds its place (or its slot) in the queue.
             req = await unless_gone(gone, state.intake.prepare(draft, key))
         state.admit.check_fit(req, self.ticket)  # 400 or 429 now, not a 504 after the deadline
@@ -129,9 +129,10 @@ class Exchange:
         """A stream's way in while its model loads, run inside the stream: the model, its place
         in the queue, its tokens, the fit, its start."""
         state = self.state
-        assert state.models_on_demand is not None
-        await state.models_on_demand.ensure(draft.body.model, draft.deadline)
-        self.ticket = state.admit.reserve(draft)  # no await since the model was found ready
+        assert self.claim is not None
+        await self.claim.wait()
+        self.ticket = state.admit.reserve(draft)  # no await since the claim was granted
+        self._unclaim()
         req = await state.intake.prepare(draft, key)
         state.admit.check_fit(req, self.ticket)
         await self._start(req)
@@ -231,6 +232,7 @@ class Exchange:
         """Give back what it holds now: its place in the queue, or its generation (stopped at the
         worker if it may still run) and its slot, with what the worker served. Idempotent, and
         safe to call again after a way in that was still running took something more."""
+        self._unclaim()
         if self.ticket is not None:
             self.ticket.cancel()
             self.ticket = None
@@ -242,6 +244,11 @@ class Exchange:
             worker = None if gen is None else gen.worker_id
             slot.release(None if gen is None or worker is None else Served(worker, gen.ran))
 
+    def _unclaim(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+
     async def close(self) -> None:
         """Release, then write it down once (nothing for a request the server's stop cut)."""
         await self.release()
@@ -251,6 +258,6 @@ class Exchange:
                                          self.request_id, self.finish)
 
 
-async def _loaded(pool: OnDemand, model: str | None, deadline: float | None) -> bool:
-    await pool.ensure(model, deadline)
+async def _granted(claim: Claim) -> bool:
+    await claim.wait()
     return True

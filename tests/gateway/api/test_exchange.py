@@ -9,9 +9,11 @@ import asyncio
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from gateway.api.app import create_app
 from gateway.config import GatewayConfig
+from gateway.engine.on_demand import Claim, OnDemand
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
@@ -82,38 +84,50 @@ def test_refusals_are_recorded_once_and_hold_nothing(smollm2_info: m.TokenizerIn
                             ("completions", "400", "error"): 1}
 
 
-class UnloadedOnce:
-    """--models-dir's pool for one model that is ready when its wait ends, and unloaded at the
-    next turn of the loop (another request's load needing its room), once."""
+class Launched:
+    """--models-dir's launcher for two models; "tiny" started with the server (its worker is
+    the fake engine), "other" never joins."""
 
     def __init__(self) -> None:
-        self.loaded, self.unloads, self.waits = False, 0, 0
+        self.catalog = {"tiny": "/m/tiny.gguf", "other": "/m/other.gguf"}
+        self.alive, self.stopped = {"tiny"}, []
 
-    def ready(self, name: str | None) -> bool:
-        return self.loaded
+    def start(self, model_id: str) -> None:
+        self.alive.add(model_id)
 
-    async def ensure(self, name: str | None, deadline: float | None) -> None:
-        self.waits += 1
-        self.loaded = True
-        if not self.unloads:
-            asyncio.get_running_loop().call_soon(self._unload)
+    def stop(self, model_id: str) -> None:
+        self.stopped.append(model_id)
 
-    def _unload(self) -> None:
-        self.unloads += 1
-        self.loaded = False
+    def running(self, model_id: str) -> bool:
+        return model_id in self.alive
+
+    def failure(self, model_id: str) -> str | None:
+        return None
 
 
-def test_a_model_unloaded_as_its_wait_ends_is_waited_for_again_before_the_reservation(
+def test_a_model_granted_to_a_request_is_not_unloaded_before_its_reservation(
         smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> None:
+    """Issue 58's starvation gap: the wait for the model ends a loop turn before the route
+    resumes; another model's request in that turn (--models-max 1) once unloaded it."""
     app = create_app(GatewayConfig())
     FakeEngine(app.state.gateway.client, smollm2_info, smollm2)
-    state, pool = app.state.gateway, UnloadedOnce()
-    state.models_on_demand = pool
-    ready_at_reservation: list[bool] = []
+    state, launcher = app.state.gateway, Launched()
+    pool = state.models_on_demand = OnDemand(launcher, state.client.registry, state._busy,
+                                             models_max=1, metrics=CollectorRegistry())
+    claim, others = pool.claim, []
+
+    def with_a_rival(name: str | None, deadline: float | None) -> Claim:
+        mine = claim(name, deadline)
+        if name == "tiny":  # the rival arrives in the turn between the grant and the route
+            asyncio.get_running_loop().call_soon(lambda: others.append(claim("other", None)))
+        return mine
+
+    pool.claim = with_a_rival  # type: ignore[method-assign]
+    stopped_at_reservation: list[list[str]] = []
     reserve = state.admit.reserve
 
     def watched(draft: Any) -> Any:
-        ready_at_reservation.append(pool.ready(draft.body.model))
+        stopped_at_reservation.append(list(launcher.stopped))
         return reserve(draft)
 
     state.admit.reserve = watched
@@ -125,5 +139,4 @@ def test_a_model_unloaded_as_its_wait_ends_is_waited_for_again_before_the_reserv
 
     resp = asyncio.run(run())
     assert resp.status_code == 200, resp.text
-    assert pool.unloads == 1 and pool.waits == 2  # unloaded under it once, then loaded again
-    assert ready_at_reservation == [True]  # its place was taken only while its model was up
+    assert len(others) == 1 and stopped_at_reservation == [[]]  # tiny was up for its place

@@ -133,7 +133,7 @@ def test_models_idle_past_sleep_idle_seconds_are_unloaded_and_busy_ones_kept() -
         await p.ensure("a", None)
         await p.ensure("b", None)
         busy["b"] = 1
-        task = asyncio.create_task(p.sleep_idle())
+        task = asyncio.create_task(p.run())
         await asyncio.sleep(0.6)
         task.cancel()
 
@@ -159,3 +159,104 @@ def test_a_model_on_its_way_out_makes_the_room_and_no_second_one_is_unloaded_for
     spawner.exit_s = 0.3
     asyncio.run(p.ensure("c", None))
     assert spawner.alive == {"b", "c"} and p.unloads.labels("lru")._value.get() == 1
+
+
+def test_a_load_whose_only_waiter_left_still_ends_and_the_model_can_be_unloaded() -> None:
+    """Issue 58: a client that gives up while its model loads once left the model marked
+    loading for good (409 on unload, never evicted)."""
+    p, spawner = pool(["a", "b"], models_max=1)
+    spawner.join_s = 0.3
+
+    async def scenario() -> None:
+        waiter = asyncio.create_task(p.ensure("b", None))
+        await asyncio.sleep(0.1)  # b is loading
+        waiter.cancel()  # its client left
+        end = time.monotonic() + 5
+        while p.status("b") != "loaded":
+            assert time.monotonic() < end
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    p.unload("b")  # nothing holds it
+    assert spawner.alive == set() and p.unloads.labels("manual")._value.get() == 1
+    asyncio.run(asyncio.wait_for(p.ensure("a", None), 5))
+    assert spawner.alive == {"a"}
+
+
+def test_a_model_a_waiter_left_is_evicted_for_another_models_request() -> None:
+    p, spawner = pool(["a", "b"], models_max=1)
+    spawner.join_s = 0.3
+
+    async def scenario() -> None:
+        waiter = asyncio.create_task(p.ensure("b", None))
+        await asyncio.sleep(0.1)
+        waiter.cancel()
+        await asyncio.wait_for(p.ensure("a", time.monotonic() + 5), 5)
+
+    asyncio.run(scenario())
+    assert spawner.alive == {"a"} and spawner.started == ["b", "a"]
+
+
+def test_a_granted_claim_keeps_its_model_loaded_until_it_is_released() -> None:
+    p, spawner = pool(["a", "b"], models_max=1)
+    asyncio.run(p.ensure("a", None))
+    mine = p.claim("a", None)
+    assert mine.granted
+    rival = p.claim("b", None)
+    p.poll()
+    assert spawner.alive == {"a"} and not rival.granted  # a is not evicted under mine
+    mine.release()
+    asyncio.run(asyncio.wait_for(rival.wait(), 5))
+    assert spawner.alive == {"b"}
+    rival.release()
+
+
+def test_loads_follow_arrivals_a_later_request_for_a_loaded_model_waits_behind_a_swap() -> None:
+    busy: dict[str, int] = {}
+    p, spawner = pool(["a", "b"], models_max=1, busy=busy)
+    asyncio.run(p.ensure("a", None))
+    busy["a"] = 1  # a request of a's runs
+    first_b = p.claim("b", None)  # the head: needs a swap, waits for a to drain
+    later_a = p.claim("a", None)
+    assert not first_b.granted and not later_a.granted  # no jumping the head
+    busy["a"] = 0  # a drained: a is evicted for b, although later_a waits for it
+
+    async def scenario() -> None:
+        await asyncio.wait_for(first_b.wait(), 5)
+        assert spawner.alive == {"b"} and not later_a.granted
+        first_b.release()
+        await asyncio.wait_for(later_a.wait(), 5)
+        later_a.release()
+
+    asyncio.run(scenario())
+    assert spawner.started == ["a", "b", "a"]  # one load per change of the head's model
+
+
+def test_a_model_loaded_for_waiting_requests_serves_them_before_it_is_evicted() -> None:
+    p, spawner = pool(["a", "b"], models_max=1)
+    spawner.join_s = 0.2
+    for_b = p.claim("b", None)  # b starts loading for it
+    head_a = p.claim("a", None)  # arrives during b's load: the next head
+
+    async def scenario() -> None:
+        await asyncio.wait_for(for_b.wait(), 5)
+        p.poll()
+        assert spawner.alive == {"b"}  # not evicted before for_b took its place
+        for_b.release()
+        await asyncio.wait_for(head_a.wait(), 5)
+        head_a.release()
+
+    asyncio.run(scenario())
+    assert spawner.started == ["b", "a"]
+
+
+def test_a_deadline_its_models_load_time_does_not_fit_is_refused_before_the_load() -> None:
+    p, spawner = pool(["a"])
+    spawner.join_s = 0.3
+    asyncio.run(p.ensure("a", None))  # a load takes ~0.3 s
+    p.unload("a")
+    asyncio.run(asyncio.sleep(0.01))
+    with pytest.raises(APIError) as err:
+        asyncio.run(p.ensure("a", time.monotonic() + 0.1))
+    assert err.value.status == 400 and err.value.code == "deadline_unreachable"
+    assert spawner.started == ["a"]  # no load started for it
