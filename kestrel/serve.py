@@ -28,7 +28,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -41,6 +40,7 @@ from engine_worker.naming import gguf_model_name
 from gateway.api_servers import all_link_addresses
 from gateway.config import GatewayConfig
 from gateway.main import run
+from kestrel import with_parent
 from kestrel.vllm_flags import unsupported_reason
 from kestrel.worker_processes import WorkerProcesses, catalog
 
@@ -182,8 +182,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "kestrel serve") -> i
         private_dir(Path(gateway_cfg.engine_address.removeprefix("ipc://")).parent)
     if gateway_cfg.models_dir:
         return serve_folder(gateway_cfg, worker_cfg, argv)
-    env = {**os.environ, **settings_environ(worker_cfg)}
-    worker = subprocess.Popen([sys.executable, "-m", "engine_worker.main"], env=env)
+    env = {**os.environ, **settings_environ(worker_cfg), **with_parent.environ()}
+    worker = subprocess.Popen(with_parent.command("engine_worker.main"), env=env)
     stopping = threading.Event()
     threading.Thread(target=_watch, args=(worker, stopping), daemon=True,
                      name="worker-watch").start()

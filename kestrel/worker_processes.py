@@ -4,7 +4,8 @@ on-demand loading (gateway/engine/on_demand.py's Spawner).
     catalog(DIR): every GGUF file (its id: the file's name without the quantization suffix, as
         `kestrel serve FILE` names it) and every folder with a config.json (its name)
     start(id): `python -m engine_worker.main` with the serve command's worker settings, the
-        model's path and id; its output goes to ours, the last error line kept
+        model's path and id, in a process that dies with ours (kestrel/with_parent.py); its
+        output goes to ours, the last error line kept
     stop(id): SIGTERM (the worker drains and exits; SIGKILL if it has not in its drain time)
 
 A process that ends without being stopped is a model that failed to load: `failure` says why, in
@@ -24,6 +25,7 @@ from pathlib import Path
 from common.settings import settings_environ
 from engine_worker.config import WorkerConfig
 from engine_worker.naming import gguf_model_name
+from kestrel import with_parent
 
 
 def catalog(folder: Path) -> dict[str, str]:
@@ -52,11 +54,12 @@ class WorkerProcesses:
     def start(self, model_id: str) -> None:
         cfg = dataclasses.replace(self.worker_cfg, model=self.catalog[model_id],
                                   model_id=model_id)
-        env = {**os.environ, **settings_environ(cfg)}
+        env = {**os.environ, **settings_environ(cfg), **with_parent.environ()}
         with self.lock:
             self.stopped.discard(model_id)
             self.last_error.pop(model_id, None)
-            proc = subprocess.Popen([sys.executable, "-m", "engine_worker.main"], env=env,
+            # it dies with this process, however this one ends (kestrel/with_parent.py)
+            proc = subprocess.Popen(with_parent.command("engine_worker.main"), env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.procs[model_id] = proc
         threading.Thread(target=self._relay, args=(model_id, proc), daemon=True,

@@ -1,0 +1,127 @@
+"""Issue 58, end to end: `kestrel serve --models-dir` under contention, through the real
+launcher, gateway and worker processes, over two names for the tiny random Llama (a folder
+with a config.json: a load takes seconds, not SmolLM2's twenty): a client that leaves while its
+model loads leaves nothing behind, and a launcher killed while a model loads leaves no worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_kestrel_serve import ServeProc
+
+CHAT = {"max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def tiny_folder(tmp: Path, tiny_model_dir: Path) -> Path:
+    models = tmp / "models"
+    models.mkdir()
+    for name in ("alpha", "beta"):
+        (models / name).symlink_to(tiny_model_dir, target_is_directory=True)
+    return models
+
+
+def workers_of(pid: int) -> list[int]:
+    """The live worker processes whose parent is `pid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and b"engine_worker.main" in cmd and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def statuses(serve: ServeProc) -> dict[str, str]:
+    data = httpx.get(serve.base_url + "/v1/models", timeout=10).json()["data"]
+    return {d["id"]: d["status"] for d in data}
+
+
+def wait_for(check, timeout: float = 60) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def chat(serve: ServeProc, model: str, timeout: float = 120) -> httpx.Response:
+    return httpx.post(serve.base_url + "/v1/chat/completions", json={**CHAT, "model": model},
+                      timeout=timeout)
+
+
+def serve_flags(models: Path, *more: str) -> list[str]:
+    return ["--models-dir", str(models), "--models-max", "1", "--kv-cache-memory", "4MiB",
+            "--dtype", "float32", "--threads", "1", "--drain-timeout-s", "2", *more]
+
+
+@pytest.fixture()
+def models(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    return tiny_folder(tmp_path, tiny_model_dir)
+
+
+@pytest.fixture()
+def served(models: Path) -> Iterator[ServeProc]:
+    with ServeProc(*serve_flags(models)) as srv:
+        srv.wait_ready(timeout=60)
+        yield srv
+
+
+def test_a_client_that_leaves_while_its_model_loads_leaves_nothing_behind(
+        served: ServeProc) -> None:
+    assert served.popen is not None
+    with pytest.raises(httpx.TimeoutException):
+        chat(served, "beta", timeout=0.5)  # gives up while beta's worker starts
+    assert statuses(served)["beta"] == "loading"
+    wait_for(lambda: statuses(served)["beta"] == "loaded")  # the load ends, nobody waiting
+    out = httpx.post(served.base_url + "/models/unload", json={"model": "beta"}, timeout=30)
+    assert out.status_code == 200, out.text
+    started = time.monotonic()
+    answer = chat(served, "alpha", timeout=60)
+    assert answer.status_code == 200 and answer.json()["model"] == "alpha", answer.text
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_launcher_ending_while_a_model_loads_leaves_no_worker(models: Path,
+                                                                  sig: signal.Signals) -> None:
+    """SIGKILL runs no `finally` of the launcher's: the worker dies with it (PDEATHSIG)."""
+    with ServeProc(*serve_flags(models)) as srv:
+        srv.wait_ready(timeout=60)
+        assert srv.popen is not None
+        threading.Thread(target=lambda: _ignore(chat, srv, "alpha"), daemon=True).start()
+        wait_for(lambda: workers_of(srv.popen.pid), timeout=30)
+        [worker] = workers_of(srv.popen.pid)
+        assert statuses(srv)["alpha"] == "loading"
+        try:
+            srv.popen.send_signal(sig)
+            srv.popen.wait(timeout=30)
+            wait_for(lambda: not alive(worker), timeout=2 + 5)  # drain timeout + 5 s
+        finally:
+            if alive(worker):
+                os.kill(worker, signal.SIGKILL)
+
+
+def _ignore(fn, *args: object) -> None:  # noqa: ANN001
+    try:
+        fn(*args)
+    except httpx.HTTPError:
+        pass
