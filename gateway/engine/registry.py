@@ -76,6 +76,9 @@ class WorkerState:
     last_seen: float
     stats: m.Stats = field(default_factory=m.Stats)
     inflight: set[str] = field(default_factory=set)
+    # The sequences of those requests (each its n), kept as they come and go: a step's frame
+    # is checked against it, so it must cost O(1), not a walk over the requests in flight.
+    sequences: int = 0
     ready: bool = False
     draining: bool = False
     # Sequences its last heartbeat counted beyond ours (another gateway's, with several API
@@ -91,6 +94,22 @@ class WorkerState:
     def name(self) -> str:
         """The only name shown outside the gateway (health, metrics, logs)."""
         return f"w{self.index}"
+
+    def take(self, request_id: str, n: int) -> None:
+        """A request of n sequences is now ours in flight here."""
+        if request_id not in self.inflight:
+            self.inflight.add(request_id)
+            self.sequences += n
+
+    def forget(self, request_id: str, n: int) -> None:
+        """That request ended here (idempotent)."""
+        if request_id in self.inflight:
+            self.inflight.discard(request_id)
+            self.sequences -= n
+
+    def forget_all(self) -> None:
+        self.inflight.clear()
+        self.sequences = 0
 
     @property
     def capacity(self) -> int:
