@@ -38,6 +38,9 @@ class GatewayConfig:
     api_keys: str = setting("", "API keys, comma-separated (--api-key: one a flag, repeated); "
                             "empty: no auth", flags=("--api-key",), repeat="append")
     api_key_file: str = setting("", "file with one API key per line")
+    admin_keys: str = setting("", "with API keys set: the keys that may load and unload models "
+                              "by hand (/models/load, /models/unload; any other key gets 403), "
+                              "comma-separated; each is an API key too")
     open_metrics: bool = setting(False, "with API keys set, still serve /metrics and /health "
                                  "without one (a scraper on a private network); /health/live "
                                  "and /health/ready never need a key")
@@ -110,6 +113,8 @@ class GatewayConfig:
             raise ValueError("max_outstanding and max_queue must be >= 0")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
+        if self.admin_keys and not (self.api_keys or self.api_key_file):
+            raise ValueError("admin_keys needs API keys (without them anyone may load models)")
         if self.models_max < 0 or self.sleep_idle_seconds < 0:
             raise ValueError("models_max and sleep_idle_seconds must be >= 0 (0: none)")
         if self.models_dir and not Path(self.models_dir).is_dir():
@@ -152,4 +157,8 @@ class GatewayConfig:
         if self.api_key_file:
             with open(self.api_key_file, encoding="utf-8") as fh:
                 keys |= {line.strip() for line in fh if line.strip() and not line.startswith("#")}
-        return frozenset(keys)
+        return frozenset(keys | self.admin_key_set())
+
+    def admin_key_set(self) -> frozenset[str]:
+        """The keys of the operator routes (admin_keys)."""
+        return frozenset(k.strip() for k in self.admin_keys.split(",") if k.strip())

@@ -40,6 +40,12 @@ ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat
                  "/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
 
 
+# The one rule (issue 54): every route is behind the API key (when keys are set) and the rate
+# limit (auth.guard), but these liveness probes, which say nothing of the models or the load.
+# /health and /metrics are open too under --open-metrics.
+PROBES = ("/health/live", "/health/ready", "/api/version")
+
+
 def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
     state = GatewayState(cfg, spawner)
 
@@ -99,9 +105,13 @@ async def list_models(request: Request) -> Response:
 
 
 async def _pool_request(request: Request) -> tuple[OnDemand, str]:
-    """The on-demand pool and the body's model: 404 without --models-dir, 422 a bad body."""
+    """The on-demand pool and the body's model: 404 without --models-dir, 422 a bad body; an
+    operator's route: with API keys set, 403 for a key not in --admin-keys."""
     state = _state(request)
-    state.auth.guard(request)
+    key = state.auth.guard(request)
+    if key is not None and key not in state.cfg.admin_key_set():
+        raise APIError(403, "loading and unloading models is for the keys in --admin-keys",
+                       code="admin_key_required")
     pool = state.models_on_demand
     if pool is None:
         raise APIError(404, "models are loaded and unloaded by hand only with `kestrel serve "
@@ -153,6 +163,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def openapi_json(request: Request) -> Response:
+    """The API's description, with the served models' ids: behind the key, as /v1/models is."""
     state = _state(request)
     figures = server_figures(state.cfg, state.client.registry)
     return Response(request.app.state.openapi.render(figures), media_type="application/json")

@@ -108,6 +108,7 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
 MODEL_STATUS = {"type": "object", "required": ["model", "status"],
                 "properties": {"model": {"type": "string"}, "status": {"enum": list(STATUSES)}}}
 MODEL_ERRORS = {"401": COMMON_ERRORS["401"], "429": "rate limited (see Retry-After)",
+                "403": "API keys are set and this key is not in --admin-keys (admin_key_required)",
                 "400": "the body is not valid JSON", "408": "the body did not arrive in time",
                 "413": "the body is too large", "422": "the body is not {\"model\": ID}",
                 "404": "the model is not in the models folder (model_not_found)"}

@@ -32,6 +32,7 @@ from gateway.dialects import anthropic
 from gateway.prompt.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
+    from gateway.engine.registry import ModelEntry
     from gateway.service import GatewayState
 
 # /tokenize and /detokenize hold no admission ticket; this bounds how many of them are in the
@@ -45,15 +46,19 @@ async def _body(request: Request, schema: type[RequestBase]) -> tuple[GatewaySta
     state.auth.guard(request)
     data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
                            state.intake.readers)
-    body = validated(schema, data)
-    if state.models_on_demand is not None:  # the tokenizer comes with the model's worker
-        await state.models_on_demand.ensure(body.model, None)
-    return state, body
+    return state, validated(schema, data)
+
+
+def _model(state: GatewayState, name: str | None) -> ModelEntry:
+    """The model's entry for its tokenizer; with --models-dir, never a reason to load it."""
+    pool = state.models_on_demand
+    entry = pool.tokenizer_entry(name) if pool is not None else None
+    return entry if entry is not None else state.intake.model(name)
 
 
 async def tokenize(request: Request) -> Response:
     state, body = await _body(request, TokenizeRequest)
-    entry = state.intake.model(body.model)
+    entry = _model(state, body.model)
     tok, cfg = entry.tokenizer, state.cfg
     if body.prompt is not None:
         chars = len(body.prompt)
@@ -90,9 +95,7 @@ async def count_tokens(request: Request) -> Response:
         data = await read_json(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s,
                                state.intake.readers)
         chat = anthropic.parse(anthropic.CountTokensRequest, data)
-        if state.models_on_demand is not None:
-            await state.models_on_demand.ensure(chat.model, None)
-        entry = state.intake.model(chat.model)
+        entry = _model(state, chat.model)
         _, _, chars, encode = state.intake.prompt_of(chat, entry.tokenizer)
         if chars > state.cfg.max_prompt_chars:
             raise APIError(400, f"the input is {chars} characters, over the server's limit "
@@ -111,7 +114,7 @@ async def count_tokens(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     state, body = await _body(request, DetokenizeRequest)
-    entry = state.intake.model(body.model)
+    entry = _model(state, body.model)
     vocab = entry.tokenizer.vocab_size
     if body.tokens and max(body.tokens) >= vocab:
         raise APIError(400, f"token ids must be below the vocabulary size ({vocab})",

@@ -17,6 +17,8 @@ mode and Ollama's scheduler do.
     run() (a task of the app) ──▶ poll() every 50 ms, whoever waits; idle models unloaded after
         --sleep-idle-seconds
     POST /models/load, /models/unload ──▶ the same, by hand (409 for a model with requests)
+    /tokenize, /detokenize, count_tokens ──tokenizer_entry──▶ never load: the tokenizer its last
+        worker announced, or 409 before its first load
 
 Invariants: a load ends when its worker joins or its process exits, whether or not anyone still
 waits (a waiter that leaves only stops counting); a model is chosen for eviction only with no
@@ -37,7 +39,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.api.errors import APIError, too_many_requests
-from gateway.engine.registry import Registry
+from gateway.engine.registry import ModelEntry, Registry
 
 log = logging.getLogger("kestrel.gateway")
 
@@ -122,6 +124,7 @@ class OnDemand:
         self.sleep_idle_s = sleep_idle_s  # 0: never unloaded for idleness
         self.lives = {m: Life(last_used=time.monotonic()) for m in self.catalog}
         self.queue: list[Claim] = []  # waiting claims, in arrival order
+        self.entries: dict[str, ModelEntry | None] = {}  # as each model's last worker said
         self._seq = 0
         self.loaded_gauge = Gauge("kestrel_models_loaded", "models with a worker of this "
                                   "server's running", registry=metrics)
@@ -165,6 +168,21 @@ class OnDemand:
         folder is the route's business: True)."""
         model_id = name or self.default_model()
         return model_id is None or model_id not in self.catalog or self._serving(model_id)
+
+    def tokenizer_entry(self, name: str | None) -> ModelEntry | None:
+        """For routes that only tokenize (never a reason to load weights): the model's entry
+        as its last worker announced it while no worker serves it; None where the registry
+        answers (a model served now, a name outside the folder); 409 for a model never loaded
+        since the server started (its tokenizer comes with its worker's hello)."""
+        model_id = name or self.default_model()
+        if model_id is None or model_id not in self.catalog or self._serving(model_id):
+            return None
+        entry = self.entries.get(model_id)
+        if entry is None:
+            raise APIError(409, f"model {model_id!r} is not loaded, and its tokenizer comes with "
+                           "its worker: a generation request loads it", param="model",
+                           code="model_not_loaded")
+        return entry
 
     # -- claims ---------------------------------------------------------------------------
 
@@ -223,6 +241,9 @@ class OnDemand:
         if life.state == "loading":
             if running and self.registry.candidates(model_id):
                 life.state, life.load_s = "ready", now - life.started_at
+                # its tokenizer, as its worker announced it, outlives the worker
+                self.entries[model_id] = self.registry.model(model_id) or \
+                    self.entries.get(model_id)
                 self.load_seconds.observe(life.load_s)
                 log.info("model %s loaded in %.1f s", model_id, life.load_s)
             elif not running:

@@ -125,3 +125,48 @@ def _ignore(fn, *args: object) -> None:  # noqa: ANN001
         fn(*args)
     except httpx.HTTPError:
         pass
+
+
+def test_tokenizing_routes_load_nothing(served: ServeProc) -> None:
+    """Before its first load a model's tokenizer is not at hand (409, no worker started);
+    after its worker has gone, the one it announced answers, still with no worker."""
+    assert served.popen is not None
+    base = served.base_url
+    asks = [("/tokenize", {"model": "beta", "prompt": "Hello world"}),
+            ("/detokenize", {"model": "beta", "tokens": [1, 2]}),
+            ("/v1/messages/count_tokens", {"model": "beta", "messages": [
+                {"role": "user", "content": "Hello"}]})]
+    for path, body in asks:
+        out = httpx.post(base + path, json=body, timeout=30)
+        assert out.status_code == 409, (path, out.text)
+    assert not workers_of(served.popen.pid) and statuses(served)["beta"] == "unloaded"
+    loaded = httpx.post(base + "/tokenize", json={"model": "alpha", "prompt": "Hello"})
+    assert loaded.status_code == 409
+    assert chat(served, "beta").status_code == 200  # beta's worker announced its tokenizer
+    assert httpx.post(base + "/models/unload", json={"model": "beta"},
+                      timeout=30).status_code == 200
+    wait_for(lambda: not workers_of(served.popen.pid))
+    for path, body in asks:
+        out = httpx.post(base + path, json=body, timeout=30)
+        assert out.status_code == 200, (path, out.text)
+    assert httpx.post(base + "/tokenize", json=asks[0][1]).json()["count"] >= 2
+    assert not workers_of(served.popen.pid) and statuses(served)["beta"] == "unloaded"
+
+
+def test_loading_and_unloading_by_hand_needs_an_admin_key(models: Path) -> None:
+    with ServeProc(*serve_flags(models, "--api-key", "tenant", "--api-key", "other",
+                                "--admin-keys", "operator")) as srv:
+        srv.wait_ready(timeout=60)
+        assert srv.popen is not None
+        for route in ("/models/load", "/models/unload"):
+            out = httpx.post(srv.base_url + route, json={"model": "alpha"}, timeout=30,
+                             headers={"Authorization": "Bearer tenant"})
+            assert out.status_code == 403, out.text
+            assert out.json()["error"]["code"] == "admin_key_required"
+        assert not workers_of(srv.popen.pid)
+        out = httpx.post(srv.base_url + "/models/load", json={"model": "alpha"}, timeout=60,
+                         headers={"Authorization": "Bearer operator"})
+        assert out.status_code == 200 and out.json()["status"] == "loaded", out.text
+        out = httpx.post(srv.base_url + "/models/unload", json={"model": "alpha"}, timeout=30,
+                         headers={"Authorization": "Bearer operator"})
+        assert out.status_code == 200, out.text

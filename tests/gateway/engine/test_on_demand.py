@@ -58,6 +58,9 @@ class FakeRegistry:
     def models(self) -> dict[str, object]:
         return {m: None for m in self.spawner.alive}
 
+    def model(self, model_id: str) -> object:
+        return f"entry of {model_id}" if self.candidates(model_id) else None
+
     def candidates(self, model_id: str) -> list[str]:
         joined = self.spawner.joined_at.get(model_id, float("inf")) <= time.monotonic()
         return [model_id] if model_id in self.spawner.alive and joined else []
@@ -260,3 +263,16 @@ def test_a_deadline_its_models_load_time_does_not_fit_is_refused_before_the_load
         asyncio.run(p.ensure("a", time.monotonic() + 0.1))
     assert err.value.status == 400 and err.value.code == "deadline_unreachable"
     assert spawner.started == ["a"]  # no load started for it
+
+
+def test_a_tokenizing_route_never_loads_a_model_and_keeps_its_last_workers_tokenizer() -> None:
+    p, spawner = pool(["a"])
+    with pytest.raises(APIError) as err:
+        p.tokenizer_entry("a")  # never loaded: its tokenizer comes with its worker
+    assert err.value.status == 409 and err.value.code == "model_not_loaded"
+    assert spawner.started == []
+    asyncio.run(p.ensure("a", None))
+    assert p.tokenizer_entry("a") is None  # served: the registry's
+    p.unload("a")
+    assert p.tokenizer_entry("a") == "entry of a" and spawner.started == ["a"]
+    assert p.tokenizer_entry("elsewhere") is None  # not the folder's: the route's
