@@ -4,8 +4,9 @@
         ──check_key──▶ the key (None: keys are off) or 401
     the client (its key, else its address) ──RateLimiter.take──▶ allowed, or 429 with Retry-After
 
-Runs first on every generation route, before the body is read; /v1/models and /metrics ask
-check_key alone.
+`guard` (the key, then the limit) runs first on every route but the liveness probes that
+gateway.api.app lists (PROBES), before a body is read: no route is behind the key without being
+behind the limit too. `check_key` alone is for guard.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _catalog(state: GatewayState) -> dict[str, ModelEntry | None]:
 
 async def _guarded(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
-    state.auth.check_key(request)
+    state.auth.guard(request)  # the key, then the rate limit, as on every keyed route
     return state
 
 
