@@ -5,8 +5,9 @@
     the client (its key, else its address) ──RateLimiter.take──▶ allowed, or 429 with Retry-After
 
 `guard` (the key, then the limit) runs first on every route but the liveness probes that
-gateway.api.app lists (PROBES), before a body is read: no route is behind the key without being
-behind the limit too. `check_key` alone is for guard.
+gateway.api.app lists (PROBES), before a body is read (`guard_keyed` on the routes that only
+inform: the same with keys set, open without): no route is behind the key without being behind
+the limit too. `check_key` alone is for guard.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class Auth:
     def client(request: Request, key: str | None) -> str:
         """Who a client is for its limits: its key, else its address."""
         return key or (request.client.host if request.client else "unknown")
+
+    def guard_keyed(self, request: Request) -> None:
+        """An information route's guard (/v1/models, /health, /metrics, /openapi.json, Ollama's
+        tags, ps and show): with keys set, the key and the limit, as `guard`; without keys,
+        neither, as before (probes and scrapers poll them, and no key is there to protect)."""
+        if self.keys:
+            self.guard(request)
 
     def guard(self, request: Request) -> str | None:
         """The key, then the rate limit; returns the caller's key (None: keys are off)."""

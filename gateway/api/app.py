@@ -41,8 +41,8 @@ ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat
 
 
 # The one rule (issue 54): every route is behind the API key (when keys are set) and the rate
-# limit (auth.guard), but these liveness probes, which say nothing of the models or the load.
-# /health and /metrics are open too under --open-metrics.
+# limit (auth.guard; auth.guard_keyed where a route only informs), but these liveness probes,
+# which say nothing of the models or the load. /health and /metrics: open with --open-metrics.
 PROBES = ("/health/live", "/health/ready", "/api/version")
 
 
@@ -100,7 +100,7 @@ def _state(request: Request) -> GatewayState:
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    state.auth.guard(request)
+    state.auth.guard_keyed(request)
     return JSONResponse({"object": "list", "data": state.models()})
 
 
@@ -141,7 +141,7 @@ async def health(request: Request) -> Response:
     """Models, workers, devices and queue figures: an API key's business when keys are set."""
     state = _state(request)
     if not state.cfg.open_metrics:
-        state.auth.guard(request)
+        state.auth.guard_keyed(request)
     return JSONResponse(state.health(), status_code=200 if state.ready else 503)
 
 
@@ -158,13 +158,13 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if not state.cfg.open_metrics:  # per-worker cache counters help a tenant probe another
-        state.auth.guard(request)
+        state.auth.guard_keyed(request)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 async def openapi_json(request: Request) -> Response:
     """The API's description, with the served models' ids: behind the key, as /v1/models is."""
     state = _state(request)
-    state.auth.guard(request)
+    state.auth.guard_keyed(request)
     figures = server_figures(state.cfg, state.client.registry)
     return Response(request.app.state.openapi.render(figures), media_type="application/json")

@@ -56,7 +56,7 @@ def _catalog(state: GatewayState) -> dict[str, ModelEntry | None]:
 
 async def _guarded(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
-    state.auth.guard(request)  # the key, then the rate limit, as on every keyed route
+    state.auth.guard_keyed(request)  # with keys set: the key, then the limit
     return state
 
 

@@ -378,7 +378,7 @@ def test_a_stream_past_its_deadline_ends_with_finish_reason_timeout(cold_server:
 # ---- 429 from the rate limit, and keys on /metrics: no worker needed ---------------------------
 
 def test_rate_limit_per_key_with_retry_after_from_the_bucket() -> None:
-    with GatewayProc("--api-keys", "a,b", "--rate-limit-rps", "0.2",
+    with GatewayProc("--api-keys", "a,b,c,d,e", "--rate-limit-rps", "0.2",
                      "--rate-limit-burst", "2") as gw:
         gw.wait_live()
         with httpx.Client(base_url=gw.base_url, timeout=10) as http:
@@ -396,10 +396,11 @@ def test_rate_limit_per_key_with_retry_after_from_the_bucket() -> None:
             assert 3000 < int(resp.headers["retry-after-ms"]) <= 5000
             assert post("b").status_code == 503  # another key has its own bucket
             # With keys set, /metrics and /health's details need one (issue 23: its per-worker
-            # cache counters help a tenant probe another's prompts); no /v1 rule.
-            for path in ["/metrics", "/v1/metrics", "/health"]:
+            # cache counters help a tenant probe another's prompts); no /v1 rule. Each behind
+            # the limit too (issue 54): a key of its own, so that each is answered.
+            for path, key in [("/metrics", "c"), ("/v1/metrics", "d"), ("/health", "e")]:
                 error_of(http.get(path), 401)
-                assert http.get(path, headers={"Authorization": "Bearer b"}).status_code in (
+                assert http.get(path, headers={"Authorization": f"Bearer {key}"}).status_code in (
                     200, 503)  # /health: 503 with no worker, but answered
             for path in ["/health/live", "/health/ready"]:  # a load balancer has no key
                 assert http.get(path).status_code in (200, 503)
