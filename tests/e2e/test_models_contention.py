@@ -170,3 +170,36 @@ def test_loading_and_unloading_by_hand_needs_an_admin_key(models: Path) -> None:
         out = httpx.post(srv.base_url + "/models/unload", json={"model": "alpha"}, timeout=30,
                          headers={"Authorization": "Bearer operator"})
         assert out.status_code == 200, out.text
+
+
+def test_two_tenants_on_two_models_are_all_answered_and_no_load_is_wasted(models: Path) -> None:
+    """--models-max 1, each tenant a steady stream of chats to its own model: every request
+    answered (no 504), and every load serves a request before its model is unloaded (a load
+    was once evicted in the millisecond it ended, by the other model's request)."""
+    with ServeProc(*serve_flags(models, "--default-timeout-s", "60")) as srv:
+        srv.wait_ready(timeout=60)
+        statuses_seen: list[int] = []
+
+        def tenant(model: str) -> None:
+            for _ in range(2):
+                statuses_seen.append(chat(srv, model, timeout=90).status_code)
+
+        threads = [threading.Thread(target=tenant, args=(m,)) for m in ("alpha", "beta")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert statuses_seen == [200] * 4
+        events = [(e.get("msg", ""), e.get("status")) for e in srv.log_lines()
+                  if e.get("msg", "").startswith(("model ", "unloading model", "request ended"))]
+        loads = unloads = 0
+        served_since_load: bool | None = None
+        for msg, status in events:
+            if msg.startswith("model ") and " loaded in " in msg:
+                loads, served_since_load = loads + 1, False
+            elif msg.startswith("unloading model"):
+                unloads += 1
+                assert served_since_load, f"a load evicted before it served: {events}"
+            elif msg == "request ended" and status == 200:
+                served_since_load = True
+        assert 2 <= loads <= 4 and unloads == loads - 1
