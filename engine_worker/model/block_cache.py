@@ -22,7 +22,12 @@ rewriting them (issue 39: the 1.5B Qwen's K-quants took ~9 s of numpy per start)
 
 A tensor served as stored (Q4_0, Q4_1, Q8_0, Q5_0) is already a view of the file: nothing is
 written for it (its packed layout is). A .bin whose seal does not match (a disk error, an edit)
-is rebuilt, never served. Where the folder cannot be written, the rewrite is served and the
+is rebuilt, never served. A seal is signed (HMAC-SHA256 over its folder, its name and its fields,
+the .bin's sha256 among them) with a key the worker keeps outside the cache, in a file only its
+user can read and write (seal_key: KESTREL_BLOCK_CACHE_KEY, else ~/.local/state/kestrel/
+block-cache.key, made once, 0600): whoever can write the cache folder but not the key cannot make
+a tampered .bin pass, even by rewriting its sha256 beside it (issue 54). Without a usable key the
+cache is not used. Where the folder cannot be written, the rewrite is served and the
 cache skipped (logged once). The checksum reads every cached byte at each start (~2 GB/s with
 SHA extensions) through the file, not the mapping: the pages come into the page cache without
 being mapped into this process, so a tensor read in place (the token embedding) holds only the
@@ -32,9 +37,11 @@ rows it looks up.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import uuid
 import warnings
@@ -54,12 +61,74 @@ log = logging.getLogger("kestrel.gguf")
 FORMAT = 2
 
 
+KEY_ENV = "KESTREL_BLOCK_CACHE_KEY"  # the seal key's file, if not the default
+KEY_BYTES = 32
+
+
+def seal_key(path: Path | None = None) -> bytes | None:
+    """The key that signs the cache's seals: read from `path` (KEY_ENV's file, else
+    ~/.local/state/kestrel/block-cache.key), made there once (random, mode 0600, its folder
+    0700) when absent. None (no cache) where it cannot be read or made, or where others than its
+    owner may read or write it."""
+    path = Path(path or os.environ.get(KEY_ENV) or
+                Path.home() / ".local" / "state" / "kestrel" / "block-cache.key")
+    try:
+        if not path.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secrets.token_bytes(KEY_BYTES))
+                os.close(fd)
+                os.link(tmp, path)  # whole or not at all; a worker beside us may win
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            key = f.read(KEY_BYTES + 1)
+        if st.st_mode & 0o077 or st.st_uid != os.getuid() or len(key) != KEY_BYTES:
+            log.warning("block cache: the seal key %s is not this user's alone (0600, %d "
+                        "bytes); serving without the cache", path, KEY_BYTES)
+            return None
+        return key
+    except OSError as exc:
+        log.warning("block cache: no seal key at %s (%s); serving without the cache", path, exc)
+        return None
+
+
 class BlockCache:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, key: bytes | None = None) -> None:
         self.folder = folder
         self.hits = self.writes = 0
         self.packed_hits = self.packed_writes = 0
-        self.writable = True
+        self.key = key if key is not None else seal_key()
+        self.writable = self.key is not None  # without a key, neither read nor written
+
+    def _sign(self, name: str, meta: dict[str, Any]) -> str:
+        """The seal's signature: its folder (the GGUF file's size and mtime), its file's name
+        and its fields, so that no seal serves another tensor, file or version."""
+        assert self.key is not None
+        body = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+        return hmac.new(self.key, f"{self.folder.name}/{name}\n{body}".encode(),
+                        hashlib.sha256).hexdigest()
+
+    def _signed(self, name: str, meta: dict[str, Any]) -> bytes:
+        return json.dumps({**meta, "hmac": self._sign(name, meta)}).encode()
+
+    def _seal(self, path: Path) -> dict[str, Any] | None:
+        """The seal in `path` when its signature is ours (else None; OSError, ValueError)."""
+        if self.key is None:
+            return None
+        meta = json.loads(path.read_text())
+        mac = meta.pop("hmac", None) if isinstance(meta, dict) else None
+        name = path.relative_to(self.folder).as_posix()
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._sign(name, meta)):
+            log.warning("block cache: %s is not signed with this worker's key; rewriting it",
+                        path)
+            return None
+        return meta
 
     @classmethod
     def beside(cls, gguf: Path, folder: Path) -> BlockCache:
@@ -99,8 +168,8 @@ class BlockCache:
             folder.mkdir(parents=True, exist_ok=True)
             sealed = {part: _sealed_write(folder / f"{key}.{part}.bin", t.numpy())
                       for part, t in parts.items()}
-            _write(folder / f"{key}.json", json.dumps({
-                "fmt": fmt, "n": n, "k": k, "layout": int_dot.LAYOUT, "parts": sealed}).encode())
+            _write(folder / f"{key}.json", self._signed(f"packed/{key}.json", {
+                "fmt": fmt, "n": n, "k": k, "layout": int_dot.LAYOUT, "parts": sealed}))
         except OSError as exc:
             self.writable = False
             log.warning("block cache: cannot write under %s (%s); serving without it",
@@ -112,7 +181,9 @@ class BlockCache:
     def _load_packed(self, key: str, fmt: str, n: int, k: int) -> int_dot.Packed | None:
         folder = self.folder / "packed"
         try:
-            meta = json.loads((folder / f"{key}.json").read_text())
+            meta = self._seal(folder / f"{key}.json")
+            if meta is None:
+                return None
             if (meta["fmt"], meta["n"], meta["k"], meta["layout"]) != (fmt, n, k, int_dot.LAYOUT):
                 return None
             tensors = {}
@@ -129,7 +200,9 @@ class BlockCache:
 
     def _load(self, name: str) -> Blocks | None:
         try:
-            meta = json.loads((self.folder / f"{name}.json").read_text())
+            meta = self._seal(self.folder / f"{name}.json")
+            if meta is None:
+                return None
             raw = self._sealed(self.folder / f"{name}.bin", meta)
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -153,7 +226,7 @@ class BlockCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             seal = _sealed_write(self.folder / f"{name}.bin", b.raw)
             _write(self.folder / f"{name}.json",
-                   json.dumps({"fmt": b.fmt, "n": b.n, "k": b.k, **seal}).encode())
+                   self._signed(f"{name}.json", {"fmt": b.fmt, "n": b.n, "k": b.k, **seal}))
             self.writes += 1
         except OSError as exc:
             self.writable = False

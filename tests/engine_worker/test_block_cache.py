@@ -227,3 +227,47 @@ def test_the_packed_layers_are_pages_of_the_cache_mapped_by_every_load(
     third = BlockCache.beside(path, tmp_path)
     assert torch.equal(load(path, cfg, third), plain)
     assert third.packed_writes == 1 and third.packed_hits == first.packed_writes - 1
+
+
+# ---- issue 54: the seals are signed with a key the worker keeps outside the cache -------------
+
+def reseal(json_path: Path, bin_path: Path) -> None:
+    """What anyone who can write the cache folder can do: rewrite a seal's sha256 to match."""
+    import hashlib
+
+    os.chmod(json_path, 0o644)
+    meta = json.loads(json_path.read_text())
+    meta["sha256"] = hashlib.sha256(bin_path.read_bytes()).hexdigest()
+    json_path.write_text(json.dumps(meta))
+
+
+def test_a_tampered_tensor_with_its_sha256_rewritten_beside_it_is_not_served(
+        int_dot_kernel: None, qwen: tuple[Path, object], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_BLOCK_CACHE_KEY", str(tmp_path / "state" / "seal.key"))
+    path, cfg = qwen
+    plain = load(path, cfg, None)
+    cache = BlockCache.beside(path, tmp_path / "models")
+    load(path, cfg, cache)
+    victim = sorted(cache.folder.glob("*.bin"))[0]
+    damage(victim)
+    reseal(victim.with_suffix(".json"), victim)
+    again = BlockCache.beside(path, tmp_path / "models")
+    assert torch.equal(load(path, cfg, again), plain)  # the file's own weights, not the edit
+    assert again.writes == 1 and again.hits == cache.writes - 1
+
+
+def test_the_seal_key_is_made_once_for_its_user_alone_outside_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_worker.model.block_cache import seal_key
+
+    key_file = tmp_path / "state" / "seal.key"
+    monkeypatch.setenv("KESTREL_BLOCK_CACHE_KEY", str(key_file))
+    key = seal_key()
+    assert key is not None and len(key) == 32 and seal_key() == key  # made once, then read
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    os.chmod(key_file, 0o644)  # others may read it: it signs nothing
+    assert seal_key() is None
+    cache = BlockCache(tmp_path / "models" / "blocks")
+    assert not cache.writable  # no key, no cache: served from the file
