@@ -138,18 +138,21 @@ class CountTokensRequest(MessagesRequest):
 
 
 def refuse_unsupported(data: Any) -> None:
-    """A 400 that names what this server does not serve, before the schema's own errors."""
+    """A 400 that names what this server does not serve, in place of the schema's own errors
+    (or of its silence: `thinking` is a field it ignores). Run once the schema has had the body
+    (parse), and reads no value before checking its type: any JSON gets a 4xx."""
     if not isinstance(data, dict):
         return
     if data.get("thinking") is not None:
         raise APIError(400, "thinking: extended thinking is not supported here",
                        param="thinking", code="unsupported_parameter")
-    for i, tool in enumerate(data.get("tools") or []):
+    tools, messages = data.get("tools"), data.get("messages")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
             raise APIError(400, f"tools.{i}.type: server tools ({tool['type']!r}) are not "
                            "supported here; only tools with an input_schema",
                            param=f"tools.{i}.type", code="unsupported_parameter")
-    for i, msg in enumerate(data.get("messages") or []):
+    for i, msg in enumerate(messages if isinstance(messages, list) else []):
         content = msg.get("content") if isinstance(msg, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -161,9 +164,14 @@ def refuse_unsupported(data: Any) -> None:
 
 
 def parse(schema: type[MessagesRequest], data: Any) -> ChatCompletionRequest:
-    """The body, validated in Anthropic's terms, as the chat request it asks for."""
+    """The body, validated in Anthropic's terms, as the chat request it asks for. The schema
+    first, then what it does not serve named (the clearer 400 where both refuse it)."""
+    try:
+        body = validated(schema, data, not_object=400)
+    except APIError:
+        refuse_unsupported(data)
+        raise
     refuse_unsupported(data)
-    body = validated(schema, data, not_object=400)
     return validated(ChatCompletionRequest, to_chat(body))  # the chat route's bounds too
 
 

@@ -212,7 +212,9 @@ class ResponsesChatRequest(ChatCompletionRequest):
 
 
 def refuse_unsupported(data: Any) -> None:
-    """A 400 that names what this server does not serve, before the schema's own errors."""
+    """A 400 that names what this server does not serve, in place of the schema's own errors
+    (or of its silence: previous_response_id... are fields it ignores). Run once the schema has
+    had the body (parse); reads no value before checking its type."""
     if not isinstance(data, dict):
         return
     for name, why in NOT_KEPT.items():
@@ -254,9 +256,14 @@ def _unsupported(param: str, why: str) -> APIError:
 
 
 def parse(data: Any) -> ResponsesChatRequest:
-    """The body, validated in the Responses API's terms, as the chat request it asks for."""
+    """The body, validated in the Responses API's terms, as the chat request it asks for. The
+    schema first, then what it does not serve named (the clearer 400 where both refuse it)."""
+    try:
+        body = validated(ResponsesRequest, data)
+    except APIError:
+        refuse_unsupported(data)
+        raise
     refuse_unsupported(data)
-    body = validated(ResponsesRequest, data)
     # the chat route's bounds too (the prompt's size, ...)
     return validated(ResponsesChatRequest, {**to_chat(body), "responses": body})
 

@@ -172,3 +172,27 @@ def test_a_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(
                       if e["type"] == "content_block_delta")
     assert json.loads(partial) == {"city": "Paris"}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+# Issue 54: values of the wrong type, read before the schema had checked them, were 500s
+# (`'bool' object is not iterable` in refuse_unsupported); the schema now reads first.
+MALFORMED = [{"messages": True}, {"messages": 5}, {"messages": [True, None, {"content": 3}]},
+             {"messages": [{"role": "user", "content": "hi"}], "tools": True},
+             {"messages": [{"role": "user", "content": "hi"}], "tools": 1e308},
+             {"messages": [{"role": "user", "content": {"type": "image"}}]},
+             {"messages": [{"role": "user", "content": [None, 7, {"type": None}]}]}]
+
+
+@pytest.mark.parametrize("schema", [anthropic.MessagesRequest, anthropic.CountTokensRequest])
+@pytest.mark.parametrize("body", MALFORMED)
+def test_a_malformed_body_is_a_4xx_never_a_type_error(schema: Any, body: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as exc:
+        anthropic.parse(schema, {"model": "m", "max_tokens": 10, **body})
+    assert 400 <= exc.value.status < 500
+
+
+def test_an_unsupported_block_is_still_named_when_the_schema_refuses_it() -> None:
+    with pytest.raises(APIError) as exc:
+        anthropic.parse(anthropic.MessagesRequest, {"max_tokens": 10, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]})
+    assert exc.value.status == 400 and "'image' blocks are not supported" in exc.value.message
