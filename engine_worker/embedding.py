@@ -2,16 +2,18 @@
 generation.
 
     Generate(embed=True) ──Embeddings.add──▶ its inputs, queued in arrival order
-    Engine.step ──take(the prompt rows the step has left)──▶ a batch of inputs
+    Engine.step ──take(the prompt rows the step has left)──▶ a batch of inputs, one of each
+        waiting request in turn (a second tenant's input rides in the next step, not after
+        another's 2,048 inputs)
         ──ModelRunner.embed (one forward, --pooling)──▶ (k, C) normalised vectors
         ──▶ one TokenOutput per input: its vector as float32 bytes, finish "stop"
 
 An input is computed whole in one step, as a prefill span from position 0 that reads and
 writes no cache: embedding requests hold no KV block and never enter the prefix index. A step
-takes the oldest inputs that fit in the prompt rows its measured time allows beside its
-decoders (engine_worker/step_costs.py), so decoding streams keep their pace; when none fits, the
-oldest input runs alone in a step that prefills nothing else (or after two steps passed it by),
-so a long input is delayed, never starved.
+takes the requests' next inputs in turn, oldest request first, while they fit in the prompt
+rows its measured time allows beside its decoders (engine_worker/step_costs.py), so decoding
+streams keep their pace; when none fits, the oldest input runs alone in a step that prefills
+nothing else (or after two steps passed it by), so a long input is delayed, never starved.
 """
 
 from __future__ import annotations
@@ -86,16 +88,22 @@ class Embeddings:
             return [], 0, set()
         batch: list[tuple[_Inputs, int]] = []
         used = 0
-        for req in self.waiting.values():
-            for i in range(req.done, len(req.inputs)):
+        # One input of each waiting request in turn, oldest first, round after round, until
+        # one does not fit: a small request is not held behind another's 2,048 inputs.
+        nexts = {req.request_id: req.done for req in self.waiting.values()}
+        left = sum(len(req.inputs) - req.done for req in self.waiting.values())
+        full = False
+        while not full and len(batch) < left:
+            for req in self.waiting.values():
+                i = nexts[req.request_id]
+                if i == len(req.inputs):
+                    continue
                 k = len(req.inputs[i])
                 if used + k > rows or len(batch) == self.max_vectors:
+                    full = True
                     break
                 batch.append((req, i))
-                used += k
-            else:
-                continue
-            break
+                nexts[req.request_id], used = i + 1, used + k
         if not batch:
             if not alone and self.passed_by < STEPS_PASSED_BY:
                 self.passed_by += 1

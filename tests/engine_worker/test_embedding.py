@@ -135,3 +135,23 @@ def test_an_input_longer_than_the_context_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match="exceeds the model's context"):
         engine.add(embed_request("e", [prompt(129, 1)]))
     assert not engine.has_work
+
+
+def test_a_small_request_is_not_held_behind_another_requests_large_batch(tiny_dir: Path) -> None:
+    """Issue 58: one tenant's 2,048-input batch held another's single input until it had run
+    whole; the requests' inputs now take turns within each step."""
+    engine = make_engine(tiny_dir, max_tokens_per_step=32, max_num_seqs=4)
+    engine.add(embed_request("big", [prompt(4, k) for k in range(40)]))
+    engine.add(embed_request("small", [prompt(4, 99)]))
+    steps_to_small = 0
+    while engine.has_work:
+        steps_to_small += 1
+        frames = engine.step()
+        if any(f.request_id == "small" for f in frames):
+            break
+    assert steps_to_small == 1  # beside big's first inputs, not after its 40
+    rest: list[m.TokenOutput] = []
+    while engine.has_work:
+        rest += engine.step()
+    assert sorted(f.index for f in rest if f.request_id == "big")[-1] == 39
+    assert engine.check_idle() == []
