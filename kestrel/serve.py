@@ -49,6 +49,7 @@ log = logging.getLogger("kestrel.serve")
 SHARED = ("log_level", "drain_timeout_s")  # the same meaning in both processes
 SET_HERE = ("gateway_address",)  # the worker's; serve points it at its own gateway
 GATEWAY_ENV = {"port": "PORT"}
+WORKERS_EXIT_S = 4.0  # --models-dir: after the gateway's drain, how long workers get to exit
 
 
 def _names(cls: type) -> set[str]:
@@ -225,7 +226,9 @@ def serve_folder(gateway_cfg: GatewayConfig, worker_cfg: WorkerConfig,
     try:
         run(gateway_cfg, workers)
     finally:
-        workers.stop_all(gateway_cfg.drain_timeout_s + 5)
+        # The gateway's drain has ended their requests: a worker has only to exit now, and one
+        # that is stuck is killed, all within the drain timeout plus this.
+        workers.stop_all(WORKERS_EXIT_S)
     return 0
 
 

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from common.settings import settings_environ
@@ -99,11 +100,14 @@ class WorkerProcesses:
         return error or f"its worker exited with status {proc.returncode}"
 
     def stop_all(self, timeout_s: float) -> None:
+        """SIGTERM to each, SIGKILL to those still there `timeout_s` after (one deadline for
+        all, not one each)."""
         for model_id in list(self.procs):
             self.stop(model_id)
+        deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=timeout_s)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

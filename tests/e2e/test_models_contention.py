@@ -101,20 +101,29 @@ def test_a_client_that_leaves_while_its_model_loads_leaves_nothing_behind(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_the_launcher_ending_while_a_model_loads_leaves_no_worker(models: Path,
-                                                                  sig: signal.Signals) -> None:
-    """SIGKILL runs no `finally` of the launcher's: the worker dies with it (PDEATHSIG)."""
+@pytest.mark.parametrize("when", ["loading", "stuck"])
+def test_the_launcher_ending_leaves_no_worker_within_the_drain_timeout_and_5_s(
+        models: Path, sig: signal.Signals, when: str) -> None:
+    """While its model loads, or once loaded and stuck (SIGSTOP: it handles no signal): SIGKILL
+    runs no `finally` of the launcher's, the worker dies with it (PDEATHSIG); after SIGTERM the
+    launcher's drain has ended the requests, and a worker that does not exit is killed."""
     with ServeProc(*serve_flags(models)) as srv:
         srv.wait_ready(timeout=60)
         assert srv.popen is not None
         threading.Thread(target=lambda: _ignore(chat, srv, "alpha"), daemon=True).start()
         wait_for(lambda: workers_of(srv.popen.pid), timeout=30)
         [worker] = workers_of(srv.popen.pid)
-        assert statuses(srv)["alpha"] == "loading"
+        if when == "stuck":
+            wait_for(lambda: statuses(srv)["alpha"] == "loaded", timeout=60)
+            os.kill(worker, signal.SIGSTOP)
+        else:
+            assert statuses(srv)["alpha"] == "loading"
         try:
             srv.popen.send_signal(sig)
-            srv.popen.wait(timeout=30)
+            signalled = time.monotonic()
             wait_for(lambda: not alive(worker), timeout=2 + 5)  # drain timeout + 5 s
+            assert time.monotonic() - signalled < 2 + 5
+            srv.popen.wait(timeout=30)
         finally:
             if alive(worker):
                 os.kill(worker, signal.SIGKILL)
