@@ -153,10 +153,10 @@ class OnDemand:
         return "loading" if self.lives[model_id].state == "loading" else "unloaded"
 
     def _serving(self, model_id: str) -> bool:
-        """Its worker has joined: this server's (ready), or one from another host."""
-        state = self.lives[model_id].state
-        return state == "ready" or (state in ("unloaded", "failed")
-                                    and bool(self.registry.candidates(model_id)))
+        """A worker of it is ready now (this server's, or one from another host), and it is
+        not on its way out."""
+        return self.lives[model_id].state != "unloading" and \
+            bool(self.registry.candidates(model_id))
 
     def default_model(self) -> str | None:
         """What a request naming no model gets: the first loaded, else the catalog's first."""
