@@ -107,3 +107,12 @@ def test_a_field_either_process_gains_is_a_serve_flag(monkeypatch, capsys) -> No
         serve.parse(["--help"], {})
     out = capsys.readouterr().out
     assert out.index("--new-knob") > out.index("worker (")
+
+
+def test_admin_keys_are_api_keys_too_and_need_api_keys(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    gw, _ = parse(["/m", "--api-key", "tenant", "--admin-keys", "op1,op2"], {})
+    assert gw.keys() == {"tenant", "op1", "op2"} and gw.admin_key_set() == {"op1", "op2"}
+    with pytest.raises(SystemExit) as exc:
+        parse(["/m", "--admin-keys", "op1"], {})  # with no API keys anyone may load models
+    assert exc.value.code == 2 and "admin_keys" in capsys.readouterr().err
