@@ -16,6 +16,9 @@ QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PAGED_ATTENTION_MODES = ("auto", "gather")
+# The KV cache's element type (vLLM's --kv-cache-dtype names); auto: bfloat16 on a CPU, the
+# activations' 16-bit dtype on a GPU (engine_worker/runner_config.py resolve_kv_dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_STACK_MODES = ("auto", "off")
 POOLINGS = ("mean", "last")  # embeddings (engine_worker/embedding.py)
 COMPILE_MODES = ("off", "decode")  # the runner's decode paths: eager, or compiled one-token steps
@@ -86,12 +89,19 @@ class WorkerConfig:
                            "compiled on first use: 40-100 s a bucket on 2 cores, ~5-10 s from "
                            "the on-disk cache under --cache-dir; then 7-33%% faster a step, "
                            "measured); off: eager (vLLM's --enforce-eager)")
-    kv_cache_mb: int = setting(512, "memory budget of the KV cache, in MiB")
+    kv_cache_mb: int = setting(0, "memory budget of the KV cache, in MiB; 0 (default): a "
+                               "quarter of the memory available when the worker starts, at "
+                               "most what --max-num-seqs sequences of the model's whole "
+                               "context hold (the pages are the host's only once written)")
     kv_cache_memory: str = setting("", "KV cache budget, overriding kv_cache_mb: bytes "
                                    "(2147483648, 2GiB, 512MB) or a fraction in (0, 1) of the "
                                    "memory available when the worker starts (CPU: the host's "
                                    "MemAvailable; CUDA: the device's free memory), weights not "
                                    "subtracted")
+    kv_cache_dtype: str = setting("auto", "the KV cache's dtype: auto (bfloat16 on a CPU: half "
+                                  "the bytes of float32 read at every step and twice the "
+                                  "context in the same memory; the activations' 16-bit dtype "
+                                  "on a GPU), float32, bfloat16 or float16")
     block_size: int = setting(16, "tokens per KV cache block")
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
                                  "context clamped to the KV capacity)")
@@ -150,8 +160,11 @@ class WorkerConfig:
                              "paged_attention": PAGED_ATTENTION_MODES,
                              "decode_stack": DECODE_STACK_MODES, "compile": COMPILE_MODES,
                              "quant_group_size": QUANT_GROUP_SIZES,
-                             "speculative_method": SPECULATIVE_METHODS, "pooling": POOLINGS})
-        positive = ("kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens")
+                             "speculative_method": SPECULATIVE_METHODS, "pooling": POOLINGS,
+                             "kv_cache_dtype": KV_CACHE_DTYPES})
+        if self.kv_cache_mb < 0:
+            raise ValueError("kv_cache_mb must be >= 0 (0: sized from the memory available)")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -7,9 +7,17 @@ blocks in its block table, or (CPU decodes) reads the slots in place through the
 (engine_worker/paged_attention.py). Which blocks belong to which sequence is the block
 manager's business (no torch there); this module only owns the memory and says how much a
 budget buys.
+
+The cache's dtype is its own (bfloat16 by default on a CPU, whatever the activations): a decode
+step reads every token of its context, so the cache's bytes per token are read at every step.
+On a CPU the tensors lie in anonymous mappings: the kernel hands them out zeroed and a page
+becomes the process's only when first written, so a budget sized for whole contexts costs the
+host what is used, not what is reserved (torch.zeros would write every page at start).
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -58,12 +66,17 @@ class KVCache:
         shape = (self.capacity_tokens, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: padded reads of unused slots are masked out, but must never be NaN,
         # since 0 * NaN inside a matmul would still poison the result.
-        self.k = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
+        self._maps: list[mmap.mmap] = []  # the CPU tensors' memory, kept alive with them
+        self.k = [self._zeros(shape, dtype) for _ in range(cfg.num_layers)]
+        self.v = [self._zeros(shape, dtype) for _ in range(cfg.num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        size = shape[0] * shape[1] * shape[2] * _element_size(dtype)
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero pages
+        self._maps.append(buf)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
 
     @property
     def nbytes(self) -> int:

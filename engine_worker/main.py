@@ -227,6 +227,9 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
         step_costs=step_costs,
         embedding_size=runner.config.hidden_size,
         matmul_plan=runner.plan.describe(),
+        kv_cache_dtype=runner.kv_dtype_name,
+        decode_read_bytes=runner.decode_read_bytes,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
     )
 
 

@@ -1,7 +1,14 @@
 """The KV cache's memory budget: `--kv-cache-memory` (bytes or a fraction) or `--kv-cache-mb`.
 
     "2GiB" | "2147483648" | "0.3" ──parse_kv_memory──▶ bytes (int) | fraction (float) | None
-      ──kv_budget_bytes(device)──▶ bytes handed to ModelRunner (which sizes the paged cache)
+      ──kv_budget(device, most)──▶ KVBudget (bytes, and why) handed to ModelRunner (which sizes
+                                   the paged cache and logs the why)
+
+Neither set (the default): AUTO_SHARE of the memory available, at most `most` (the bytes of
+--max-num-seqs whole contexts of the model: more could never be used), as vLLM's
+--gpu-memory-utilization takes a share of the device. On a CPU the cache's pages are mapped
+zeroed and become the host's only as they are written (engine_worker/kv_cache.py), so a large
+budget costs memory as it is used, not at start.
 
 A fraction is of the memory available when the worker starts, before it loads weights: on CPU the
 host's MemAvailable (/proc/meminfo), on CUDA the device's free memory (torch.cuda.mem_get_info).
@@ -14,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+from dataclasses import dataclass
 
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
@@ -54,14 +62,44 @@ def available_bytes(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget_bytes(kv_cache_memory: str, kv_cache_mb: int, device: str) -> int:
-    """The budget in bytes: kv_cache_memory when set, else kv_cache_mb MiB."""
+AUTO_SHARE = 0.25  # of the memory available at start, when no budget is given
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    bytes: int
+    why: str  # for the start log: where the figure came from
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def kv_budget(kv_cache_memory: str, kv_cache_mb: int, device: str,
+              most: int | None = None) -> KVBudget:
+    """kv_cache_memory when set, else kv_cache_mb MiB when set (> 0), else AUTO_SHARE of the
+    memory available, capped at `most` bytes when given."""
     spec = parse_kv_memory(kv_cache_memory)
-    if spec is None:
-        return kv_cache_mb * 2**20
+    if isinstance(spec, int):
+        return KVBudget(spec, f"--kv-cache-memory {kv_cache_memory}")
     if isinstance(spec, float):
-        return int(spec * available_bytes(device))
-    return spec
+        free = available_bytes(device)
+        return KVBudget(int(spec * free),
+                        f"--kv-cache-memory {kv_cache_memory} of {_gib(free)} available")
+    if kv_cache_mb > 0:
+        return KVBudget(kv_cache_mb * 2**20, f"--kv-cache-mb {kv_cache_mb}")
+    free = available_bytes(device)
+    share = int(AUTO_SHARE * free)
+    if most is not None and most < share:
+        return KVBudget(most, f"every sequence's whole context, under {AUTO_SHARE:g} of the "
+                              f"{_gib(free)} available")
+    return KVBudget(share, f"{AUTO_SHARE:g} of the {_gib(free)} available")
+
+
+def kv_budget_bytes(kv_cache_memory: str, kv_cache_mb: int, device: str,
+                    most: int | None = None) -> int:
+    """kv_budget's bytes alone."""
+    return kv_budget(kv_cache_memory, kv_cache_mb, device, most).bytes
 
 
 def trim_heap() -> None:

@@ -16,22 +16,25 @@ outside (block manager), and arrives here as block tables.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch
 
 from engine_worker.compiled_step import CompiledDecode
-from engine_worker.kv_cache import KVCache, num_blocks_for_budget
+from engine_worker.kv_cache import KVCache, kv_cache_bytes, num_blocks_for_budget
 from engine_worker.model import decode_stack
 from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.builder import build_model
 from engine_worker.model.loader import load_config
-from engine_worker.model.quant import weight_bytes
+from engine_worker.model.quant import decode_read_bytes, weight_bytes
 from engine_worker.paged_attention import load_paged_attention
-from engine_worker.runner_config import RunnerConfig
+from engine_worker.runner_config import RunnerConfig, resolve_kv_dtype
 from engine_worker.step import StepItem
 from engine_worker.thread_choice import ThreadChoice
+
+_log = logging.getLogger("kestrel.model")
 
 
 class ModelRunner:
@@ -45,9 +48,11 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.dtype_name = cfg.dtype
+        self.kv_dtype_name = resolve_kv_dtype(cfg.kv_cache_dtype, cfg.dtype, cfg.device)
+        self.kv_dtype = getattr(torch, self.kv_dtype_name)
         block_size, budget = cfg.block_size, cfg.kv_budget_bytes
         model_cfg = load_config(Path(cfg.model_path))
-        cache_blocks = num_blocks_for_budget(model_cfg, budget, block_size, self.dtype)
+        cache_blocks = num_blocks_for_budget(model_cfg, budget, block_size, self.kv_dtype)
         # Compiled decodes pad their batch with rows that write K/V somewhere: the cache's last
         # block, kept out of the ids the block manager hands out (0..num_blocks-1).
         num_blocks = cache_blocks - (cfg.compile_mode == "decode")
@@ -68,7 +73,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.paged_attention = load_paged_attention(cfg.paged_attention, self.device,
-                                                    self.dtype, cfg.cache_dir)
+                                                    self.dtype, cfg.cache_dir, self.kv_dtype)
         built = build_model(cfg, model_cfg, max_model_len, paged=self.paged_attention.enabled)
         self.model, self.quant, self.paths = built.model, built.quant, built.paths
         self.plan = built.plan  # which kernel every matmul runs (model/matmul_plan.py)
@@ -83,13 +88,24 @@ class ModelRunner:
                               if cfg.adapt_threads and self.plan.decode_stack
                               and torch.get_num_threads() > 1 else None)
         self.scratch_block = num_blocks  # == cache_blocks - 1 when compiled; unused otherwise
-        self.kv_cache = KVCache(self.config, cache_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.config, cache_blocks, block_size, self.kv_dtype, self.device)
         self.compiled: CompiledDecode | None = None
         if cfg.compile_mode == "decode":
             self.compiled = CompiledDecode(self, cfg.max_num_seqs, cfg.cache_dir,
                                            switch_rows=self.plan.switch_rows())
         # parameters and quantized buffers; a tied embedding (shared tensor) counted once
         self.weight_bytes = weight_bytes(self.model)
+        # what a one-row decode step reads: these weights, and the context's K and V
+        self.decode_read_bytes = decode_read_bytes(self.model)
+        self.kv_bytes_per_token = kv_cache_bytes(self.config, 1, self.kv_dtype)
+        _log.info("a decode step reads %.1f MB of weights a token, and %.1f KiB of %s K/V a "
+                  "token of its context; the KV cache holds %d tokens (%d blocks of %d) in "
+                  "%.2f GiB (%s); context %d tokens (the checkpoint's %d)",
+                  self.decode_read_bytes / 1e6, self.kv_bytes_per_token / 1024,
+                  self.kv_dtype_name, self.num_blocks * block_size, self.num_blocks,
+                  block_size, self.kv_cache.nbytes / 2**30,
+                  cfg.kv_budget_why or f"{budget} bytes", self.max_model_len,
+                  model_cfg.max_position_embeddings)
 
     def set_paged_attention(self, on: bool) -> None:
         """Decodes read the cache in place (True; needs the kernel loaded) or gather a copy."""

@@ -12,7 +12,8 @@ Data flow:
       -> the library registers torch.ops.kestrel.paged_decode_attention (C++);
          its fake (shape-only) implementation is registered here, so torch.compile traces it
     Attention's decode then calls `paged_decode_attention(q, k_cache, v_cache, table, lens, bs)`
-    -> (B, H, D), reading K and V where they sit in the cache (csrc/paged_attention.cpp).
+    -> (B, H, D) in q's dtype, reading K and V where they sit in the cache, in the cache's own
+    dtype (float32, bfloat16 or float16; csrc/paged_attention.cpp).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def _register_fake() -> None:
 
 
 def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
-                         cache_dir: Path) -> PagedAttention:
-    """Load the kernel if it can serve this device and dtype; a clear reason when it cannot."""
+                         cache_dir: Path, kv_dtype: torch.dtype | None = None) -> PagedAttention:
+    """Load the kernel if it can serve this device, activation dtype and cache dtype
+    (`kv_dtype`, default `dtype`); a clear reason when it cannot."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if mode not in MODES:
         raise ValueError(f"paged attention mode must be one of {MODES}, not {mode!r}")
     reason = None
@@ -69,7 +72,9 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
     elif torch.device(device).type != "cpu":
         reason = f"the kernel is CPU-only, the device is {device}"
     elif dtype not in (torch.float32, torch.bfloat16):
-        reason = f"the kernel serves float32 and bfloat16 caches, not {dtype}"
+        reason = f"the kernel serves float32 and bfloat16 activations, not {dtype}"
+    elif kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reason = f"the kernel serves float32, bfloat16 and float16 caches, not {kv_dtype}"
     if reason is None:  # a cached or prebuilt library serves without a compiler
         try:
             _load(str(cache_dir))

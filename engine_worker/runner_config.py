@@ -18,6 +18,7 @@ from pathlib import Path
 from engine_worker.config import (
     COMPILE_MODES,
     DECODE_STACK_MODES,
+    KV_CACHE_DTYPES,
     PAGED_ATTENTION_MODES,
     QUANT_GROUP_SIZES,
     QUANTIZATIONS,
@@ -25,17 +26,32 @@ from engine_worker.config import (
     cache_dir_from_env,
     check_choices,
 )
-from engine_worker.memory_budget import kv_budget_bytes
+from engine_worker.memory_budget import kv_budget
 
 AUTO = -1  # dense_min_rows: measured on this host (engine_worker/path_choice.py)
 RUN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_kv_dtype(name: str, dtype: str, device: str) -> str:
+    """The KV cache's dtype for --kv-cache-dtype `name`: as named, or for auto bfloat16 on a
+    CPU (half the bytes a decode step reads of float32's, whatever the activations; the C++
+    kernels read it in place, and its float32 exponent range cannot overflow where float16's
+    could), the activations' own 16-bit dtype elsewhere."""
+    if name != "auto":
+        return name
+    if device == "cpu" or dtype not in ("bfloat16", "float16"):
+        return "bfloat16"
+    return dtype
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
     model_path: Path  # a checkpoint folder: config.json, and the weights unless gguf_path is set
     kv_budget_bytes: int  # the KV cache's memory; its block count follows from the model
-    dtype: str = "float32"  # activations and KV cache (torch attribute name)
+    dtype: str = "float32"  # activations (torch attribute name)
+    # the KV cache's (KV_CACHE_DTYPES; auto: resolve_kv_dtype)
+    kv_cache_dtype: str = "auto"
+    kv_budget_why: str = ""  # where kv_budget_bytes came from, for the start log
     device: str = "cpu"
     # Serve this GGUF file's own quantized blocks (model_path then only supplies config.json);
     # activations are float32 and `quantization` must be none.
@@ -68,7 +84,8 @@ class RunnerConfig:
         check_choices(self, {"dtype": RUN_DTYPES, "quantization": QUANTIZATIONS,
                              "group_size": QUANT_GROUP_SIZES, "compile_mode": COMPILE_MODES,
                              "paged_attention": PAGED_ATTENTION_MODES,
-                             "decode_stack": DECODE_STACK_MODES})
+                             "decode_stack": DECODE_STACK_MODES,
+                             "kv_cache_dtype": KV_CACHE_DTYPES})
         if self.gguf_path is not None and (self.quantization != "none"
                                            or self.dtype != "float32"):
             raise ValueError("GGUF-native weights run float32 activations, no re-quantization")
@@ -87,15 +104,21 @@ class RunnerConfig:
         dtype, gguf = resolve_dtype(cfg.dtype, cfg.model, cfg.quantization, checkpoint)
         if gguf is None and gguf_source(cfg.model) is not None:  # a float path asked of a GGUF
             checkpoint = resolve_checkpoint(cfg.model, cache)
-        budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device)
-        draft_budget = None
-        if cfg.speculative_method == "draft" and cfg.draft_model:
-            budget, draft_budget = _split_kv(budget, checkpoint, dtype, cfg.draft_model, cache)
+        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype, cfg.device)
+        draft = cfg.draft_model if cfg.speculative_method == "draft" else ""
+        most = _whole_contexts(checkpoint, kv_dtype, cfg.max_num_seqs, cfg.max_model_len,
+                               draft, cache)
+        budget = kv_budget(cfg.kv_cache_memory, cfg.kv_cache_mb, cfg.device, most)
+        total, draft_budget = budget.bytes, None
+        if draft:
+            total, draft_budget = _split_kv(total, checkpoint, kv_dtype, draft, cache)
         return cls(
             model_path=checkpoint,
-            kv_budget_bytes=budget,
+            kv_budget_bytes=total,
+            kv_budget_why=budget.why,
             draft_kv_budget_bytes=draft_budget,
             dtype=dtype,
+            kv_cache_dtype=kv_dtype,
             device=cfg.device,
             gguf_path=gguf,
             quantization=cfg.quantization,
@@ -134,23 +157,38 @@ class RunnerConfig:
 
 
 
-def _split_kv(total: int, target: Path, dtype: str, draft_model: str,
-              cache: Path) -> tuple[int, int]:
-    """--kv-cache-memory shared by the target and its draft model in proportion to their K/V
-    bytes per token, so both caches hold the same number of tokens and together stay within it
-    (a GGUF draft runs float32 activations and cache)."""
+def _kv_per_token(folder: Path, kv_dtype: str) -> int:
+    """K and V bytes of one token over all layers of the checkpoint in `folder`."""
     import torch  # only here, in the worker's process: this module stays torch-free to import
 
     from engine_worker.kv_cache import kv_cache_bytes
+    from engine_worker.model.loader import load_config
+
+    return kv_cache_bytes(load_config(folder), 1, getattr(torch, kv_dtype))
+
+
+def _whole_contexts(target: Path, kv_dtype: str, seqs: int, max_model_len: int,
+                    draft_model: str, cache: Path) -> int:
+    """The bytes of `seqs` whole contexts (the checkpoint's, or max_model_len when set) of the
+    target, and of its draft when one is named: no default budget need be larger."""
     from engine_worker.model.loader import gguf_source, load_config, resolve_checkpoint
 
-    draft_gguf = gguf_source(draft_model)
-    draft = resolve_checkpoint(draft_model, cache, weights=draft_gguf is None)
-    draft_dtype = "float32" if draft_gguf is not None else dtype
+    context = max_model_len or load_config(target).max_position_embeddings
+    per_token = _kv_per_token(target, kv_dtype)
+    if draft_model:
+        draft = resolve_checkpoint(draft_model, cache, weights=gguf_source(draft_model) is None)
+        per_token += _kv_per_token(draft, kv_dtype)
+    return per_token * context * seqs
 
-    def per_token(folder: Path, name: str) -> int:
-        return kv_cache_bytes(load_config(folder), 1, getattr(torch, name))
 
-    t, d = per_token(target, dtype), per_token(draft, draft_dtype)
+def _split_kv(total: int, target: Path, kv_dtype: str, draft_model: str,
+              cache: Path) -> tuple[int, int]:
+    """--kv-cache-memory shared by the target and its draft model in proportion to their K/V
+    bytes per token, so both caches hold the same number of tokens and together stay within it
+    (both in the target's KV dtype)."""
+    from engine_worker.model.loader import gguf_source, resolve_checkpoint
+
+    draft = resolve_checkpoint(draft_model, cache, weights=gguf_source(draft_model) is None)
+    t, d = _kv_per_token(target, kv_dtype), _kv_per_token(draft, kv_dtype)
     target_share = total * t // (t + d)
     return target_share, total - target_share

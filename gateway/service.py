@@ -94,6 +94,10 @@ class GatewayState:
         workers = [{"id": w.name, "model": w.hello.model_id, "ready": w.ready,
                     "draining": w.draining, "in_flight": len(w.inflight),
                     "device": w.hello.device, "matmul_plan": w.hello.matmul_plan,
+                    # what one decode step of one sequence reads (issue 53)
+                    "decode_read_mb": round(w.hello.decode_read_bytes / 1e6, 1),
+                    "kv_cache_dtype": w.hello.kv_cache_dtype,
+                    "kv_bytes_per_token": w.hello.kv_bytes_per_token,
                     "running": w.stats.running,
                     "waiting": w.stats.waiting,
                     "last_seen_s": round(time.monotonic() - w.last_seen, 3)}

@@ -31,7 +31,6 @@ UNSUPPORTED: dict[str, str] = {
     "--tokenizer": _CHECKPOINT, "--tokenizer-mode": _CHECKPOINT, "--chat-template": _CHECKPOINT,
     "--load-format": _HUB, "--download-dir": _HUB, "--revision": _HUB, "--hf-token": _HUB,
     "--tokenizer-revision": _HUB, "--code-revision": _HUB, "--hf-overrides": _HUB,
-    "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--enable-chunked-prefill": "chunked prefill is always on, its chunks sized by measured "
                                 "step time (--step-prefill-share); --max-num-batched-tokens "
                                 "caps a step's rows",

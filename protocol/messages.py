@@ -134,6 +134,12 @@ class Hello:
     # Which kernel every matmul runs, by weight kind and rows: the worker's `matmul plan:` log
     # line (engine_worker/model/matmul_plan.py), shown by the gateway's /health.
     matmul_plan: str = ""
+    # What one decode step of one sequence reads (issue 53), shown by /health: the weights'
+    # bytes (engine_worker/model/quant.py decode_read_bytes), and the KV cache's bytes per token
+    # of its context in the cache's dtype.
+    kv_cache_dtype: str = ""
+    decode_read_bytes: int = 0
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@
 //   h = rms_norm(x, w1)                          rms_norm_rows below (the norms call it too)
 //   qkv = int_dot(h) + bias                      kestrel::int_dot_<fmt> through the dispatcher
 //   q, k = rope(qkv[:, :H+Hkv])                  x*cos + rot(x)*sin, each product rounded
-//   k_cache[slot], v_cache[slot] = k, v
+//   k_cache[slot], v_cache[slot] = k, v        in the cache's dtype (float32, bfloat16, float16)
 //   o = paged_decode_attention(q, caches, table, lens)
 //   x = x + int_dot_o(o) + bias
 //   h = rms_norm(x, w2); g, u = int_dot_gate_up(h) + bias
@@ -38,6 +38,26 @@ using MmOffset = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&, int64_t);
 using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, int64_t);
+
+// One row of n float32 values into a cache row of its dtype, rounded to nearest (even) as
+// torch's own casts do, so the Python layers' index_copy_ of k.to(cache dtype) writes the same.
+void write_row(const float* src, const at::Tensor& cache, int64_t at_elem, int64_t n) {
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      std::memcpy(cache.data_ptr<float>() + at_elem, src, n * sizeof(float));
+      return;
+    case at::kBFloat16: {
+      at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + at_elem;
+      for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+      return;
+    }
+    default: {  // kHalf, checked by the caller
+      at::Half* dst = cache.data_ptr<at::Half>() + at_elem;
+      for (int64_t i = 0; i < n; ++i) dst[i] = at::Half(src[i]);
+      return;
+    }
+  }
+}
 
 c10::OperatorHandle find_op(const std::string& name) {
   auto op = c10::Dispatcher::singleton().findSchema({name, ""});
@@ -200,7 +220,8 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // x (B, C) float32, the embedded decode rows; cos, sin (B, D) at their positions; caches per
-  // layer (slots, Hkv, D) float32; slots (B,), table (B, nblk), lens (B,) int64.
+  // layer (slots, Hkv, D) float32, bfloat16 or float16; slots (B,), table (B, nblk), lens (B,)
+  // int64.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches,
                      const std::vector<at::Tensor>& v_caches, const at::Tensor& slots,
@@ -220,24 +241,24 @@ struct DecodeStack : torch::CustomClassHolder {
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& L = layers[i];
       const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-      TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
-                      kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
-                      kc.size(1) == hkv && kc.size(2) == d && vc.sizes() == kc.sizes(),
-                  "decode_stack: caches must be contiguous float32 (slots, Hkv, D)");
+      const auto ct = kc.scalar_type();
+      TORCH_CHECK((ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf) &&
+                      vc.scalar_type() == ct && kc.is_contiguous() && vc.is_contiguous() &&
+                      kc.dim() == 3 && kc.size(1) == hkv && kc.size(2) == d &&
+                      vc.sizes() == kc.sizes(),
+                  "decode_stack: caches must be contiguous float32, bfloat16 or float16 "
+                  "(slots, Hkv, D)");
       at::Tensor qkv = L.qkv(rms_norm_rows(x, L.norm1, eps)).contiguous();  // (B, all*D)
       at::Tensor qk = at::empty({b, h + hkv, d}, x.options());
       const float* src = qkv.data_ptr<float>();
       rope(src, b, all, h + hkv, d, cs.data_ptr<float>(), sn.data_ptr<float>(),
            qk.data_ptr<float>());
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
       const int64_t slots_total = kc.size(0), row = hkv * d;
       for (int64_t r = 0; r < b; ++r) {
         TORCH_CHECK(sp[r] >= 0 && sp[r] < slots_total, "decode_stack: slot ", sp[r],
                     " out of range");
-        std::memcpy(kp + sp[r] * row, qk.data_ptr<float>() + (r * (h + hkv) + h) * d,
-                    row * sizeof(float));
-        std::memcpy(vp + sp[r] * row, src + (r * all + h + hkv) * d, row * sizeof(float));
+        write_row(qk.data_ptr<float>() + (r * (h + hkv) + h) * d, kc, sp[r] * row, row);
+        write_row(src + (r * all + h + hkv) * d, vc, sp[r] * row, row);
       }
       at::Tensor o = attn.call(qk.narrow(1, 0, h), kc, vc, table, lens, block_size);
       x = x + L.o(o.reshape({b, h * d}));

@@ -13,12 +13,15 @@
 // Layouts (checked in `paged_decode_attention`): q (B, H, D) with unit last stride; k_cache and
 // v_cache (slots, Hkv, D) contiguous; block_table (B, nblk) int64; context_lens (B,) int64, each
 // in [0, nblk * bs]. A sequence of length 0 (a padded row) gets zeros, never NaN.
-// float32 and bfloat16 only: a bfloat16 row is widened to float32 once per row (a shift), the
-// arithmetic is float32 throughout (exp by a polynomial, ~1 ulp). The inner loops run over D:
-// for D = 64 or 128 on vector-extension values as wide as the host's registers (vw), otherwise
-// as `omp simd` loops, so that -O3 -march=native vectorises them: AVX512 where the host has it,
-// AVX2 elsewhere. Work is tiled by KV block: a block's rows come from memory once and serve the
-// G query rows from L1, and each output accumulator stays in registers across a block.
+// q and out are float32 or bfloat16; the cache float32, bfloat16 or float16, its own dtype read
+// in place (a 16-bit cache is half the bytes a decode step reads of the context; issue 53): a
+// 16-bit row is widened to float32 once per row into a block buffer (a shift for bfloat16,
+// vcvtph2ps for float16), the arithmetic is float32 throughout (exp by a polynomial, ~1 ulp).
+// The inner loops run over D: for D = 64 or 128 on vector-extension values as wide as the host's
+// registers (vw), otherwise as `omp simd` loops, so that -O3 -march=native vectorises them:
+// AVX512 where the host has it, AVX2 elsewhere. Work is tiled by KV block: a block's rows come
+// from memory once and serve the G query rows from L1, and each output accumulator stays in
+// registers across a block.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,48 +34,62 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+// The element types: float, bfloat16 and float16 as distinct types (both 16-bit ones are two
+// bytes; the tag says how to widen them).
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  _Float16 v;
+};
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
   float out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
 }
+inline float widen(f16 x) { return static_cast<float>(x.v); }
 
-inline uint16_t float_to_bf16(float x) {  // round to nearest even, as c10::BFloat16 does
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, bf16* out) {  // round to nearest even, as c10::BFloat16 does
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  if (std::isnan(x)) return 0x7fc0;
+  if (std::isnan(x)) {
+    out->bits = 0x7fc0;
+    return;
+  }
   bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
+  out->bits = static_cast<uint16_t>(bits >> 16);
 }
+inline void narrow(float x, f16* out) { out->v = static_cast<_Float16>(x); }
 
 // One block's first n rows of one head as float32 rows: a float32 cache is read in place (rows
-// `row` apart), a bfloat16 one widened into buf once per row (rows d apart). *stride says which.
+// `row` apart), a 16-bit one widened into buf once per row (rows d apart). *stride says which.
 inline const float* block_f32(const float* src, int64_t, int64_t, int64_t row, float*,
                               int64_t* stride) {
   *stride = row;
   return src;
 }
-inline const float* block_f32(const uint16_t* src, int64_t n, int64_t d, int64_t row, float* buf,
+template <typename T>
+inline const float* block_f32(const T* src, int64_t n, int64_t d, int64_t row, float* buf,
                               int64_t* stride) {
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < d; ++i) buf[r * d + i] = bf16_to_float(src[r * row + i]);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) buf[r * d + i] = widen(src[r * row + i]);
   *stride = d;
   return buf;
 }
 
-inline void load_row(const float* src, float* dst, float s, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
-}
-inline void load_row(const uint16_t* src, float* dst, float s, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_float(src[i]) * s;
+template <typename T>
+inline void load_row(const T* src, float* dst, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = widen(src[i]) * s;
 }
 
-inline void store_row(float* dst, const float* src, float s, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * s;
-}
-inline void store_row(uint16_t* dst, const float* src, float s, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i] * s);
+template <typename T>
+inline void store_row(T* dst, const float* src, float s, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) narrow(src[i] * s, dst + i);
 }
 
 // DC: the head size when known at compile time (64, 128: fixed trip counts the compiler
@@ -183,8 +200,8 @@ inline void exp_inplace(float* x, int64_t n) {
   }
 }
 
-template <typename T, int DC>
-void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+template <typename T, typename C, int DC>
+void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C* vc,
                    const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
                    int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
   const int64_t G = H / Hkv;
@@ -243,16 +260,39 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T*
   });
 }
 
-template <typename T>
-void dispatch(const T* q, int64_t q_sb, int64_t q_sh, const T* kc, const T* vc,
+template <typename T, typename C>
+void dispatch(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C* vc,
               const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
               int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
   if (D == 64)
-    decode_kernel<T, 64>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+    decode_kernel<T, C, 64>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
   else if (D == 128)
-    decode_kernel<T, 128>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+    decode_kernel<T, C, 128>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
   else
-    decode_kernel<T, 0>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+    decode_kernel<T, C, 0>(q, q_sb, q_sh, kc, vc, table, lens, out, B, H, Hkv, D, nblk, bs);
+}
+
+template <typename T>
+const T* as(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+// The cache's element type, under q's (T).
+template <typename T>
+void dispatch_cache(const T* q, int64_t q_sb, int64_t q_sh, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const int64_t* table, const int64_t* lens, T* out,
+                    int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      return dispatch<T, float>(q, q_sb, q_sh, as<float>(k_cache), as<float>(v_cache), table,
+                                lens, out, B, H, Hkv, D, nblk, bs);
+    case at::kBFloat16:
+      return dispatch<T, bf16>(q, q_sb, q_sh, as<bf16>(k_cache), as<bf16>(v_cache), table,
+                               lens, out, B, H, Hkv, D, nblk, bs);
+    default:  // kHalf, checked by the caller
+      return dispatch<T, f16>(q, q_sb, q_sh, as<f16>(k_cache), as<f16>(v_cache), table, lens,
+                              out, B, H, Hkv, D, nblk, bs);
+  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -261,10 +301,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "q (B, H, D), k_cache and v_cache (slots, Hkv, D)");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "float32 or bfloat16 only");
+              "q: float32 or bfloat16 only");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
+              "the cache: float32, bfloat16 or float16 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
@@ -289,15 +332,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    dispatch<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1),
-                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp,
-                         out.data_ptr<float>(), B, H, Hkv, D, nblk, block_size);
+    dispatch_cache<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), k_cache, v_cache, tp,
+                          lp, out.data_ptr<float>(), B, H, Hkv, D, nblk, block_size);
   } else {
-    auto u16 = [](const at::Tensor& t) {
-      return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-    };
-    dispatch<uint16_t>(u16(qc), qc.stride(0), qc.stride(1), u16(k_cache), u16(v_cache), tp,
-                            lp, u16(out), B, H, Hkv, D, nblk, block_size);
+    dispatch_cache<bf16>(as<bf16>(qc), qc.stride(0), qc.stride(1), k_cache, v_cache, tp, lp,
+                         reinterpret_cast<bf16*>(out.data_ptr()), B, H, Hkv, D, nblk,
+                         block_size);
   }
   return out;
 }

@@ -6,7 +6,9 @@ prefill chunk. Attention reads earlier tokens from the paged KV cache by gatheri
 (`index_select` over a (num_blocks, block_size, Hkv, D) view), which moves block_size rows at once;
 when one sequence's blocks are consecutive the runner passes their first slot instead, and the
 read is a free view (the gather is a cold-memory copy: ~40 us per layer and tensor, measured).
-On CPU with float32/bfloat16 caches the decodes skip the gather altogether: a C++ kernel
+K and V are written in the cache's dtype (bfloat16 by default on CPU, whatever the activations;
+engine_worker/runner_config.py resolve_kv_dtype) and a gathered context is widened to the
+queries' dtype for SDPA. On CPU the decodes skip the gather altogether: a C++ kernel
 (engine_worker/paged_attention.py) reads K and V in place through `decode_table`; the gather
 path stays as the reference and the fallback, and prefill chunks keep it (one SDPA per chunk
 over its gathered context, a copy amortised over the chunk's many query rows).
@@ -97,9 +99,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(n, h + 2 * hkv, d)  # (N, H + 2Hkv, D)
         qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # (N, H + Hkv, D)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]  # (N, H, D) (N, Hkv, D) (N, Hkv, D)
-        if k_cache is not None and v_cache is not None:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+        if k_cache is not None and v_cache is not None:  # in the cache's dtype (rounded)
+            k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         outs: list[torch.Tensor] = []  # (rows, H, D) pieces in batch-row order
         b, bs = meta.num_decode, meta.block_size
@@ -109,7 +111,8 @@ class Attention(nn.Module):
             # (B, H, D), reading each context where it sits: no copy
             outs.append(paged_decode_attention(q[:b], k_cache, v_cache, table, lens, bs))
         elif b:  # all decodes in one SDPA over their padded contexts
-            kd, vd = self._context(k_cache, v_cache, meta.decode_blocks, bs, b, meta.decode_ctx)
+            kd, vd = self._context(k_cache, v_cache, meta.decode_blocks, bs, b, meta.decode_ctx,
+                                   q.dtype)
             if self.grouped_decode and kd.device.type == "cpu":
                 outs.append(self._decode_grouped(q[:b], kd, vd, meta.decode_mask))
             else:  # CUDA: enable_gqa kept, the grouped form was not measured there
@@ -121,10 +124,16 @@ class Attention(nn.Module):
             rows = slice(span.begin, span.begin + span.length)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, L, D)
             if span.blocks is None:  # starts at position 0: its own k,v are the whole context
-                kp, vp = (t[rows].transpose(0, 1).unsqueeze(0) for t in (k, v))  # (1, Hkv, L, D)
+                # as the cache holds them (rounded to its dtype), so that a prompt attends to
+                # the same values whether it was prefilled from 0 or after a cached prefix
+                kr, vr = k, v
+                if k_cache is not None and k_cache.dtype != k.dtype:
+                    kr, vr = (t.to(k_cache.dtype).to(k.dtype) for t in (k, v))
+                kp, vp = (t[rows].transpose(0, 1).unsqueeze(0) for t in (kr, vr))  # (1,Hkv,L,D)
             else:
                 end = span.start_pos + span.length
-                kp, vp = self._context(k_cache, v_cache, span.blocks, bs, 1, end)  # (1,Hkv,S,D)
+                kp, vp = self._context(k_cache, v_cache, span.blocks, bs, 1, end,  # (1,Hkv,S,D)
+                                       q.dtype)
             out = F.scaled_dot_product_attention(  # (1, H, L, D)
                 qp, kp, vp, attn_mask=span.mask, is_causal=span.blocks is None, enable_gqa=True
             )
@@ -159,8 +168,10 @@ class Attention(nn.Module):
         bs: int,
         b: int,
         t: int,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of b sequences at positions [0, t): (B, Hkv, T, D) each, from their blocks."""
+        """K and V of b sequences at positions [0, t): (B, Hkv, T, D) each, from their blocks,
+        in `dtype` (the queries'; None: the cache's)."""
         if k_cache is None or v_cache is None or blocks is None:
             raise ValueError("attention over earlier tokens needs a KV cache and block tables")
         kv = []
@@ -171,4 +182,8 @@ class Attention(nn.Module):
                 paged = cache.view(-1, bs, self.hkv, self.d)  # (blocks, bs, Hkv, D)
                 seq = paged.index_select(0, blocks).view(b, -1, self.hkv, self.d)[:, :t]
             kv.append(seq.transpose(1, 2))  # (B, Hkv, T, D)
-        return kv[0], kv[1]
+        # SDPA takes one dtype: a 16-bit cache under float32 activations is widened (a copy of
+        # the context, as the gather already is; the in-place kernel reads it as it is)
+        if dtype is None:
+            return kv[0], kv[1]
+        return kv[0].to(dtype), kv[1].to(dtype)

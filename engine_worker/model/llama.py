@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (N, C)
         b = meta.num_decode
         if stack is not None and b and kv_cache is not None \
-                and x.dtype == kv_cache.dtype == torch.float32 \
+                and x.dtype == torch.float32 \
                 and not torch.compiler.is_compiling():
             # decode rows through the C++ stack (model/decode_stack.py), prefill rows apart
             xd = stack(x[:b], cos[:b], sin[:b], kv_cache, meta)  # (B, C)

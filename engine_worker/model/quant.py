@@ -60,6 +60,52 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def _held(module: nn.Module) -> set[tuple[int, int]]:
+    """(address, bytes) of the tensors a module holds itself (not its children's): parameters,
+    buffers and an integer-dot layer's packed blocks."""
+    skip = module._non_persistent_buffers_set  # RoPE's tables: a row each, not weights
+    tensors = [*module.parameters(recurse=False),
+               *(b for name, b in module._buffers.items() if name not in skip)]
+    packed = getattr(module, "packed", None)
+    if packed is not None:
+        tensors += [t for t in (packed.qs, packed.d, packed.m) if t is not None]
+    routes = getattr(module, "routes", None)
+    copy = getattr(module, "dense", None)
+    if routes and routes[0].path != "dense" and isinstance(copy, torch.Tensor):
+        tensors = [t for t in tensors if t is not copy]  # a copy for more rows than one
+    return {(t.data_ptr(), t.nbytes) for t in tensors if t is not None}
+
+
+def _one_row(model: nn.Module, skip: set[int]) -> set[tuple[int, int]]:
+    """The tensors a one-row step reads of the modules not in `skip` (ids): an integer-dot
+    layer's own blocks where its kernel takes one row, not the layer behind it."""
+    read: set[tuple[int, int]] = set()
+    for m in model.modules():
+        if id(m) in skip:
+            continue
+        read |= _held(m)
+        if getattr(m, "packed", None) is not None and getattr(m, "max_rows", 0) >= 1:
+            skip |= {id(c) for c in m.modules() if c is not m}  # its fallback: more rows
+    return read
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step of one sequence reads (issue 53): every weight a
+    one-row matmul takes (an integer-dot layer's blocks, not the copy behind it for more rows),
+    and of the embedding table one row; a head that shares the table's storage reads it whole.
+    With the KV cache's bytes of the context, what bounds a one-stream step: its floor is
+    these bytes over the host's memory bandwidth."""
+    embed = model.model.embed_tokens
+    inside = {id(m) for m in embed.modules()}
+    table = set().union(*(_held(m) for m in embed.modules()))
+    rest = _one_row(model, set(inside))
+    if getattr(model, "lm_head", True) is None:  # tied: the head is the table itself
+        return sum(n for _, n in rest | table)
+    vocab = model.config.vocab_size
+    row = sum(n for _, n in table - rest) // max(1, vocab)
+    return sum(n for _, n in rest) + row
+
+
 @dataclass
 class QuantReport:
     mode: str

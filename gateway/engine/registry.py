@@ -53,14 +53,15 @@ def check_hello(hello: m.Hello) -> str | None:
         return "aliases: at most 8, each like a model_id"
     if not _WORKER_ID.match(hello.worker_id):
         return "worker_id must be 1-64 of [A-Za-z0-9._-]"
-    for name in ("device", "dtype", "quantization"):
+    for name in ("device", "dtype", "quantization", "kv_cache_dtype"):
         if not _SHORT.match(getattr(hello, name)):
             return f"{name} must be at most 32 of [A-Za-z0-9._:+-]"
     if len(hello.matmul_plan) > MAX_PLAN_CHARS or not hello.matmul_plan.isprintable():
         return f"matmul_plan must be at most {MAX_PLAN_CHARS} printable characters"
     bounds = {"max_model_len": (1, MAX_MODEL_LEN), "max_num_seqs": (1, MAX_NUM_SEQS),
               "kv_capacity_tokens": (0, MAX_KV_TOKENS), "block_size": (1, 4096),
-              "weight_bytes": (0, 1 << 50)}
+              "weight_bytes": (0, 1 << 50), "decode_read_bytes": (0, 1 << 50),
+              "kv_bytes_per_token": (0, 1 << 40)}
     for name, (low, high) in bounds.items():
         value = getattr(hello, name)
         if not low <= value <= high:

@@ -40,3 +40,11 @@ def test_default_gguf_served_natively_answers_paris(cache_dir: Path) -> None:
         shown = worker["matmul_plan"]
         assert shown.startswith("matmul plan: ") and "head q8_0: " in shown, shown
         assert shown in plans[0] and shown.endswith("(flags)")  # --dense-min-rows: no measuring
+        # what one decode step reads (issue 53): logged at start and shown by /health, no more
+        # than the blocks held (a one-row step reads one row of the embedding table), the KV
+        # cache in bfloat16 by default: 2 (K, V) x 30 layers x 3 KV heads x 64 x 2 bytes a token
+        assert worker["kv_cache_dtype"] == "bfloat16"
+        assert worker["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+        assert 0 < worker["decode_read_mb"] * 1e6 <= model["weight_bytes"] + 1e5, worker
+        reads = [line for line in wk.output().splitlines() if "a decode step reads" in line]
+        assert len(reads) == 1 and f"{worker['decode_read_mb']:.1f} MB" in reads[0], reads

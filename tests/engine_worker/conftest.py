@@ -30,12 +30,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_meta_dir: Path) -
 
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_dir: Path) -> ModelRunner:
-    return ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=KV_BUDGET, block_size=16))
+    # a float32 cache: the tests of this runner compare cached steps with a recomputation
+    # without a cache, float32 throughout (the default bfloat16 cache has tests of its own)
+    return ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=KV_BUDGET, block_size=16,
+                                    kv_cache_dtype="float32"))
 
 
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2_dir: Path) -> ModelRunner:
-    return ModelRunner(RunnerConfig(smollm2_dir, kv_budget_bytes=KV_BUDGET, block_size=16))
+    return ModelRunner(RunnerConfig(smollm2_dir, kv_budget_bytes=KV_BUDGET, block_size=16,
+                                    kv_cache_dtype="float32"))  # as tiny_runner's
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,28 @@ def test_mixed_batch_equals_each_item_alone(tiny_runner: ModelRunner) -> None:
     close(batched[0], tiny_runner.forward_full(prompts["a"] + [nxt["a"]])[-1])
 
 
+def test_a_bfloat16_cache_under_float32_activations_follows_the_recomputation(
+    tiny_dir: Path, tiny_runner: ModelRunner
+) -> None:
+    """Issue 53: the default CPU cache (bfloat16, float32 activations) through a greedy
+    decode, read in place: each step within bfloat16's rounding of the float32 recomputation
+    without a cache, and its greedy tokens those of the recomputation wherever that one's top
+    two are not near a tie."""
+    runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=1 << 20, block_size=16))
+    assert runner.kv_cache.dtype == torch.bfloat16 and runner.dtype == torch.float32
+    seq, table = random_ids(20, seed=0), [9, 3, 7, 0, 12, 5, 1, 10]
+    logits = runner.execute([StepItem(seq, 0, table)])[0]  # (V,)
+    for _ in range(60):
+        ref = tiny_runner.forward_full(seq)[-1]  # (V,) float32, no cache
+        top2 = torch.topk(ref, 2).values
+        # K/V rounded to 8 significant bits move a logit by a few 1e-3 here
+        assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
+        if top2[0] - top2[1] > 0.05:
+            assert logits.argmax() == ref.argmax()
+        seq.append(int(ref.argmax()))
+        logits = runner.execute([StepItem([seq[-1]], len(seq) - 1, table)])[0]
+
+
 def test_bf16_cached_decode_mostly_follows_float32(
     tiny_dir: Path, tiny_runner: ModelRunner
 ) -> None:
@@ -143,14 +165,20 @@ def test_sizes_follow_budget_and_checkpoint(tiny_dir: Path, tiny_runner: ModelRu
     file_bytes = sum(t.nbytes for t in load_file(str(tiny_dir / "model.safetensors")).values())
     assert tiny_runner.weight_bytes == file_bytes  # tied head counted once, like the file
 
-    small = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, block_size=16))
+    f32 = {"kv_cache_dtype": "float32"}
+    small = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, block_size=16,
+                                     **f32))
     assert small.max_model_len == 160  # clamped to what the cache holds
-    short = RunnerConfig(tiny_dir, kv_budget_bytes=per_block, max_model_len=8)
+    # the default bfloat16 cache: twice the tokens in the same budget
+    assert ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block,
+                                    block_size=16)).max_model_len == 320
+    short = RunnerConfig(tiny_dir, kv_budget_bytes=per_block, max_model_len=8, **f32)
     assert ModelRunner(short).max_model_len == 8
     with pytest.raises(ValueError, match="less than one block"):
-        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=per_block - 1))
+        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=per_block - 1, **f32))
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, max_model_len=161))
+        ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=10 * per_block, max_model_len=161,
+                                 **f32))
 
 
 def test_execute_refuses_bad_items(tiny_runner: ModelRunner) -> None:

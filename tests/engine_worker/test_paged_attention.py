@@ -95,6 +95,26 @@ def test_kernel_equals_gather_path(kernel: None, dtype: torch.dtype, b: int,
     assert torch.allclose(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 16), (12, 2, 128)])
+def test_float32_queries_read_a_16_bit_cache_in_place(kernel: None, cache_dtype: torch.dtype,
+                                                      heads: tuple[int, int, int]) -> None:
+    """Issue 53: the cache in its own 16-bit dtype under float32 activations, read where it
+    sits: the same as the gather path over the same 16-bit values widened to float32."""
+    h, hkv, d = heads
+    attn = Attention(gqa_config(h, hkv, d))
+    q, k32, v32, table, lens, bs = ragged_case(16, h, hkv, d, torch.float32, seed=h + d)
+    k_cache, v_cache = k32.to(cache_dtype), v32.to(cache_dtype)
+    got = paged_decode_attention(q, k_cache, v_cache, table, lens, bs)  # (B, H, D)
+    ref = gather_reference(attn, q, k_cache.float(), v_cache.float(), table, lens, bs)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
+    # and the gather path of the model itself widens the 16-bit context the same way
+    kd, vd = attn._context(k_cache, v_cache, table.flatten(), bs, 16, int(lens.max()),
+                           torch.float32)
+    assert kd.dtype == vd.dtype == torch.float32
+
+
 def test_kernel_zero_length_row_is_zeros_and_bad_ids_raise(kernel: None) -> None:
     q, k_cache, v_cache, table, lens, bs = ragged_case(3, 6, 2, 16, torch.float32, seed=1)
     lens[1] = 0  # a padded row (a compiled step pads its batch): zeros, never NaN
@@ -168,7 +188,8 @@ def test_env_gather_keeps_the_gather_path(tiny_dir: Path, tiny_runner: ModelRunn
     cfg = parse_settings(WorkerConfig, [], {"KESTREL_PAGED_ATTENTION": "gather"})
     assert cfg.paged_attention == "gather"
     runner = ModelRunner(RunnerConfig(tiny_dir, kv_budget_bytes=16 << 20,
-                                      paged_attention=cfg.paged_attention))
+                                      paged_attention=cfg.paged_attention,
+                                      kv_cache_dtype="float32"))  # tiny_runner's
     assert not runner.paged_attention.enabled and "gather" in runner.paged_attention.reason
     assert not runner.paged_decode
     with pytest.raises(ValueError, match="unavailable"):
@@ -190,6 +211,8 @@ def test_fallback_reasons_without_building(monkeypatch: pytest.MonkeyPatch,
     for device, dtype, why in cases:
         pa = load_paged_attention("auto", device, dtype, tmp_path)
         assert not pa.enabled and why in pa.reason
+    pa = load_paged_attention("auto", CPU, torch.float32, tmp_path, torch.int8)
+    assert not pa.enabled and "float32, bfloat16 and float16 caches" in pa.reason
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv("KESTREL_PREBUILT_KERNELS", raising=False)
     # as in a fresh process: an op an earlier test registered here would serve without a compiler

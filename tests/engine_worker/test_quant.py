@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from engine_worker.model.int4 import Int4GroupLinear, pack_int4, unpack_int4
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
 from engine_worker.model.matmul_plan import MatmulPlan
-from engine_worker.model.quant import pick_group_size, quantize_model, weight_bytes
+from engine_worker.model.quant import (
+    decode_read_bytes,
+    pick_group_size,
+    quantize_model,
+    weight_bytes,
+)
 from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
 from engine_worker.model.weights import load_model
 
@@ -209,3 +214,19 @@ def test_group_int8_from_float_follows_q8_0() -> None:
     assert bool((err <= step / 2 + 1e-6).all())
     assert float(step[5, 1]) > 10 * float(step[5, 0])  # the outlier's group alone is coarse
     assert torch.equal(q.scales, q.scales.half().float())  # stored as a Q8_0 file would
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_reads_every_weight_but_the_embedding_table(tmp_path: Path,
+                                                                  tied: bool) -> None:
+    """Issue 53: the bytes one decode step of one sequence reads: all weights, of the embedding
+    table one row, unless the head reads the same table whole (tied)."""
+    from engine_worker.model.tiny import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "tiny", tie_word_embeddings=tied)
+    model = load_model(folder, torch.float32, "cpu", max_positions=64)
+    table = model.model.embed_tokens.weight
+    held = weight_bytes(model)
+    row = table.nbytes // table.shape[0]
+    assert decode_read_bytes(model) == (held if tied else held - table.nbytes + row)
+    assert decode_read_bytes(model) < held or tied

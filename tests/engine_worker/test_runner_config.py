@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_worker import memory_budget
 from engine_worker.config import WorkerConfig, cache_dir_from_env
@@ -23,9 +24,10 @@ def test_from_worker_takes_every_runner_setting(tiny_dir: Path) -> None:
     cfg = RunnerConfig.from_worker(settings(
         tiny_dir, dtype="bfloat16", quantization="int8", quant_group_size=64, dense_min_rows=0,
         paged_attention="gather", compile="decode", block_size=32, max_model_len=512,
-        max_num_seqs=8, threads=1, kv_cache_memory="3MiB"))
+        max_num_seqs=8, threads=1, kv_cache_memory="3MiB", kv_cache_dtype="float16"))
     assert cfg == RunnerConfig(
-        model_path=tiny_dir, kv_budget_bytes=3 << 20, dtype="bfloat16", quantization="int8",
+        model_path=tiny_dir, kv_budget_bytes=3 << 20, kv_budget_why="--kv-cache-memory 3MiB",
+        dtype="bfloat16", kv_cache_dtype="float16", quantization="int8",
         group_size=64, dense_min_rows=0, paged_attention="gather", compile_mode="decode",
         block_size=32, max_model_len=512, max_num_seqs=8, num_threads=1,
         cache_dir=cache_dir_from_env())
@@ -40,6 +42,29 @@ def test_defaults_and_the_kv_budget(tiny_dir: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(memory_budget, "available_bytes", lambda device: 1 << 30)
     cfg = RunnerConfig.from_worker(settings(tiny_dir, kv_cache_mb=7, kv_cache_memory="0.25"))
     assert cfg.kv_budget_bytes == 1 << 28  # a fraction of what is available wins over the MiB
+
+
+def test_the_default_cache_is_bfloat16_and_holds_whole_contexts(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53: no budget given, the cache takes a share of the memory available, at most what
+    --max-num-seqs whole contexts of the model hold, in bfloat16 on a CPU."""
+    from engine_worker.model.loader import load_config
+
+    model = load_config(tiny_dir)
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2  # bfloat16
+    whole = per_token * model.max_position_embeddings * 8
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda device: 1 << 40)
+    cfg = RunnerConfig.from_worker(settings(tiny_dir, max_num_seqs=8))
+    assert cfg.kv_cache_dtype == "bfloat16" and cfg.dtype == "float32"
+    assert cfg.kv_budget_bytes == whole and "whole context" in cfg.kv_budget_why
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda device: whole)  # a small host
+    cfg = RunnerConfig.from_worker(settings(tiny_dir, max_num_seqs=8))
+    assert cfg.kv_budget_bytes == int(memory_budget.AUTO_SHARE * whole)
+    runner = ModelRunner(cfg)
+    assert runner.kv_cache.dtype == torch.bfloat16
+    assert runner.kv_cache.nbytes <= cfg.kv_budget_bytes
+    assert runner.max_model_len == min(model.max_position_embeddings,
+                                       runner.num_blocks * runner.block_size)
 
 
 @pytest.mark.parametrize("bad", [
