@@ -42,11 +42,12 @@ class ServeProc(Proc):
         return next(e for e in self.log_lines() if e.get("msg") == "model loaded")
 
 
-def kv_tokens(model_dir: Path, budget: int, block_size: int = 16) -> int:
-    """KV capacity in tokens for a float32 cache of `budget` bytes (K and V, every layer)."""
+def kv_tokens(model_dir: Path, budget: int, block_size: int = 16, element: int = 2) -> int:
+    """KV capacity in tokens for a cache of `budget` bytes (K and V, every layer) whose
+    elements are `element` bytes (the default cache: bfloat16)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * element
     return budget // (per_token * block_size) * block_size
 
 
