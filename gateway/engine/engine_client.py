@@ -53,9 +53,12 @@ FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout"})
 MAX_WORKER_FAULTS = 3
 FAULT_WINDOW_S = 60.0
 # The receive loop's turn: at most this many frames, or this long, before it lets the event loop
-# run the rest (see _receive_loop; measured in the report's gateway-ceiling section).
-TURN_FRAMES = 32
-TURN_S = 0.002
+# run the rest (see _receive_loop). On a 2-vCPU Xeon, bench_gateway_ceiling.py --workers 1: a
+# frame a turn 6,965 tokens/s; 32 frames or 2 ms ~36,000; 64 or 5 ms 44,900-51,900 (the loop's
+# lag under that honest load ~35 ms, the streams' own work); a flooding worker's frames, for no
+# stream, cost a turn at most 5 ms.
+TURN_FRAMES = 64
+TURN_S = 0.005
 
 
 class EngineClient:
@@ -186,7 +189,7 @@ class EngineClient:
         # /health). So the loop is given up after a turn's budget of frames or time, whichever
         # comes first. Not after every frame: the streams then woke once per token each, where
         # a turn of several frames lets each stream take its queued tokens in one wake-up (one
-        # SSE write); yielding per frame cut the ceiling from ~70,000 tokens/s to ~12,000.
+        # SSE write); yielding per frame cut the ceiling from ~60,000 tokens/s to ~12,000.
         frames, turn = 0, time.perf_counter()
         while True:
             identity, body = await self.link.recv()
