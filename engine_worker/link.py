@@ -90,6 +90,10 @@ class WorkerLink:
         self._quiet: queue.SimpleQueue[tuple[float, threading.Event]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kestrel-link", daemon=True)
 
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
     def start(self) -> None:
         self._thread.start()
 
@@ -118,6 +122,9 @@ class WorkerLink:
         if dying_reason is not None:
             self._dying = m.WorkerDying(self.hello.worker_id, dying_reason)
         self._stop.set()
+        if self._thread.ident is None:  # never started: its socket is closed here
+            self._pull.close(linger=0)
+            return
         self._thread.join(timeout)
 
     # ---- the I/O thread ---------------------------------------------------------------------

@@ -57,6 +57,10 @@ class LinkSet:
             link.cancel_arrivals = self.cancel_arrivals
 
     @property
+    def worker_id(self) -> str:
+        return self.links[0].hello.worker_id  # one Hello, sent by every link
+
+    @property
     def rejected(self) -> str | None:
         return next((link.rejected for link in self.links if link.rejected is not None), None)
 

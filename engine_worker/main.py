@@ -29,6 +29,7 @@ from common.settings import parse_settings
 from engine_worker.config import WorkerConfig
 from engine_worker.engine_surface import EngineSurface
 from engine_worker.grammar_builds import GrammarBuilds
+from engine_worker.link_surface import LinkSurface
 from engine_worker.memory_budget import trim_heap
 from engine_worker.naming import served_names
 from protocol import messages as m
@@ -41,7 +42,7 @@ log = logging.getLogger("kestrel.worker")
 class WorkerLoop:
     """Glue between the link (network) and the engine (tensors)."""
 
-    def __init__(self, cfg: WorkerConfig, engine: EngineSurface, link: Any,
+    def __init__(self, cfg: WorkerConfig, engine: EngineSurface, link: LinkSurface,
                  stop: threading.Event) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -56,11 +57,9 @@ class WorkerLoop:
         from engine_worker.tracing import WorkerTracer
 
         # One span per request when an OTLP endpoint is set (None: off, nothing imported).
-        self.tracer = WorkerTracer.create(getattr(cfg, "otlp_endpoint", ""),
-                                          getattr(getattr(link, "hello", None), "worker_id", ""))
+        self.tracer = WorkerTracer.create(cfg.otlp_endpoint, link.worker_id)
         compiler = engine.grammars  # None: no structured output here
-        self.builds = None if compiler is None else GrammarBuilds(
-            compiler, getattr(link, "quiet", None))
+        self.builds = None if compiler is None else GrammarBuilds(compiler, link.quiet)
 
     def run(self) -> int:
         self.was_busy = False
@@ -233,7 +232,7 @@ def build_hello(cfg: WorkerConfig, runner: Any, checkpoint: Path,
     )
 
 
-def open_link(cfg: WorkerConfig, hello: m.Hello) -> Any:
+def open_link(cfg: WorkerConfig, hello: m.Hello) -> LinkSurface:
     """The worker's link, with CURVE keys when configured (warned about off loopback); one per
     address when the gateway runs several API server processes (comma-separated addresses),
     each announcing its share of max_num_seqs."""

@@ -27,6 +27,11 @@ class FakeOut:
 
 
 class FakeLink:
+    """One WorkerLink of a LinkSet, in memory."""
+
+    hello = m.Hello(m.PROTOCOL_VERSION, "w1", "tiny", 64, 64, 4,
+                    m.TokenizerInfo("{}", None, None, None, [0]))
+
     def __init__(self) -> None:
         self.inbound: Any = None
         self.cancel_arrivals: dict[str, float] = {}

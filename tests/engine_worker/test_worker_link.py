@@ -32,12 +32,32 @@ def sim_engine() -> SimEngine:
 
 
 class FakeLink:
+    """The loop's link (engine_worker/link_surface.py) in memory: frames sent are kept."""
+
+    worker_id = "fake"
+
     def __init__(self) -> None:
+        self.inbound: queue.Queue = queue.Queue()
         self.cancel_arrivals: dict[str, float] = {}
         self.sent: list = []
         self.rejected = None
         self.draining = False
         self.stats = m.Stats()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, dying_reason: str | None = None, timeout: float = 2.0) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def reset_scope(self, msg: m.Reset, request_ids: object) -> list[str]:
+        return []
+
+    def quiet(self, seconds: float, wait_s: float = 1.0) -> None:
+        pass
 
     def open_outbound(self) -> FakeLink:
         return self
@@ -48,6 +68,7 @@ class FakeLink:
 
 class Cfg:
     drain_timeout_s = 1.0
+    otlp_endpoint = ""
 
 
 def test_a_cancel_after_the_request_ended_leaves_nothing_behind() -> None:

@@ -16,8 +16,13 @@ from engine_worker.config import WorkerConfig
 import gateway.api.app, gateway.prompt.structured, gateway.prompt.tools, engine_worker.grammar
 
 class Link:
+    worker_id = "w"
+
     def open_outbound(self):
         return None
+
+    def quiet(self, seconds, wait_s=1.0):
+        pass
 
 state = GatewayState(GatewayConfig())
 class Engine:
