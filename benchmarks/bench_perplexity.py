@@ -3,6 +3,7 @@ own forward.
 
     python benchmarks/bench_perplexity.py [--model default|FILE.gguf] [--text FILE ...]
         [--window 512] [--modes ...] [--score all|half] [--llama-perplexity PATH] [--rows 16]
+        [--kv-cache-dtype auto|float32|bfloat16|float16]
 
 Data flow: text (--text files; default CPython's pydoc_data.topics) -> the model's tokenizer ->
 windows of --window tokens (no overlap) -> ModelRunner.forward_full (no cache) per mode ->
@@ -19,6 +20,8 @@ when its ids differ from ours (without it the streams are not checked, and it sa
             file's blocks mean exactly, the reference
   gguf      the file's own Q4_1/Q8_0 blocks served packed (--dtype auto, the default)
   int8/int4 the float32 weights re-quantized by our quantizers (INT4: clipping search)
+`--kv-cache-dtype` is the runners' KV cache (default auto: bfloat16 on a CPU); it matters only
+with `--rows`, where each window's later tokens read the earlier ones from the cache.
 Prints one line per mode with its perplexity and its ratio to float32.
 """
 
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=0,
                     help="feed each window through the serving step this many tokens at a time "
                          "(16: the integer-dot kernel's rows, as in decode); 0: one forward")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the KV cache's dtype (with --rows: what later tokens read)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tokenizers import Tokenizer
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = "auto" if mode == "gguf" else "float32"
         quant = mode if mode in ("int8", "int4") else "none"
         runner = ModelRunner(RunnerConfig.from_settings(args.model, dtype=dtype, quantization=quant,
-                                                        kv_cache_mb=256, cache_dir=str(cache)))
+                                                        kv_cache_mb=256, cache_dir=str(cache),
+                                                        kv_cache_dtype=args.kv_cache_dtype))
         with torch.inference_mode():
             ppl = perplexity_by_rows(runner, ids, args.window, half, args.rows) if args.rows \
                 else perplexity(runner, ids, args.window, half)
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:8s} perplexity {ppl:.4f}  ({(ppl / ref - 1) * 100:+.2f} % vs "
               f"{args.modes.split(',')[0]}"
               + ("" if llama is None else f", {(ppl / llama - 1) * 100:+.2f} % vs llama.cpp")
-              + f")  weights {runner.weight_bytes / 2**20:.0f} MiB", flush=True)
+              + f")  weights {runner.weight_bytes / 2**20:.0f} MiB, {runner.kv_dtype_name} KV "
+              + ("cache" if args.rows else "cache unread (one forward)"), flush=True)
         del runner
     return 0
 
