@@ -31,6 +31,11 @@ from protocol import messages as m
 # A step's vectors travel in one StepOutputs (at most 2 MiB): the bytes they may take there.
 VECTOR_BYTES_PER_STEP = 1 << 20
 STEPS_PASSED_BY = 2  # after this many steps without room, the oldest input runs anyway
+# With nobody decoding, a step of inputs lasts about this long (by the measured cost of a prompt
+# row), not the whole row cap: a request that arrives while it runs gets its turn in the next
+# step. Beside a 2,048-input batch on SmolLM2 (2 cores) a single input waited 1.3 s behind steps
+# of the cap; issue 58 asks for 2 s on a loaded host. A step's fixed cost is a few ms.
+EMBEDDING_STEP_S = 0.25
 
 
 @dataclass

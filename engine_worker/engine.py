@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine_worker.block_manager import BlockManager
-from engine_worker.embedding import Embeddings
+from engine_worker.embedding import EMBEDDING_STEP_S, Embeddings
 from engine_worker.grammar import GrammarCompiler, GrammarMatcher, advance_all
 from engine_worker.logprobs import logprob_entries
 from engine_worker.model_runner import ModelRunner
@@ -184,6 +184,10 @@ class Engine:
         if self.embeddings.waiting:
             allowed = (self.costs.prefill_rows(decode_rows) if self.sized_steps
                        else self.scheduler.max_num_batched_tokens - decode_rows)
+            if self.sized_steps and decode_rows == 0:
+                # Nobody decodes, but a request may arrive while this step runs: its turn comes
+                # after the step, so a step of inputs lasts about EMBEDDING_STEP_S, not a cap.
+                allowed = min(allowed, self.costs.rows_within(EMBEDDING_STEP_S))
             vectors, rows, broken = self.embeddings.step(max(0, allowed - prefill_rows),
                                                          alone=prefill_rows == 0)
             for rid in broken:

@@ -45,6 +45,7 @@ class SimWorkerConfig:
     link_gateway_key: str = setting("", "the gateway's public certificate")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
+    otlp_endpoint: str = setting("", "OpenTelemetry OTLP/HTTP endpoint for traces (empty: off)")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:

@@ -203,7 +203,20 @@ class StepCosts:
             return min(cap, PREFILL_BUCKETS[1])
         target = self.step_target_s(decode_rows)
         assert target is not None
-        room = target - base
+        rows = min(cap, max(self._rows_in(target - base, cap), self.least_rows()))
+        self._log_choice(rows, decode_rows, base)
+        return rows
+
+    def rows_within(self, seconds: float) -> int:
+        """The most prompt rows a step with no decoders carries in about `seconds`, by the
+        measured cost of a row: the cap where nothing is measured yet."""
+        if not self._prefill:
+            return self.max_rows
+        return min(self.max_rows, self._rows_in(seconds, self.max_rows))
+
+    def _rows_in(self, room: float, cap: int) -> int:
+        """The most prompt rows that fit `room` seconds (at least 1), each bucket's rows priced
+        at that bucket's measured cost."""
         best = 1
         for i, edge in enumerate(PREFILL_BUCKETS):
             per_row = self.prefill_row_s(edge) or 0.0
@@ -211,9 +224,7 @@ class StepCosts:
             rows = top if per_row <= 0 else min(top, int(room / per_row))
             if rows >= edge:
                 best = max(best, rows)
-        rows = min(cap, max(best, self.least_rows()))
-        self._log_choice(rows, decode_rows, base)
-        return rows
+        return best
 
     def chunk_cost(self) -> tuple[float, float] | None:
         """(seconds, seconds a row): what carrying a prompt chunk adds to a step, whatever its

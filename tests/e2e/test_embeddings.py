@@ -116,3 +116,29 @@ def test_an_embedding_request_is_answered_while_a_stream_generates(
                                                    strict=True)) < 1e-5
     metrics = httpx.get(base + "/metrics", timeout=30).text
     assert 'route="embeddings"' in metrics
+
+
+def test_a_small_embedding_request_is_not_held_behind_a_2048_input_batch(base: str) -> None:
+    """Issue 58: one tenant's batch of 2,048 inputs and another's single input, sent while the
+    batch runs: a step takes one input of each waiting request in turn, so the single input is
+    answered within 2 s, long before the batch (one tenant's batch once held the other's input
+    until the whole batch was done: 34 s and 68 s for two such batches)."""
+    import time
+
+    # ~25 characters each: the batch stays under the gateway's 65,536 characters a request.
+    batch = [f"{SENTENCE[:19]} {i}" for i in range(2048)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        big = pool.submit(post, base, input=batch)
+        time.sleep(1.0)  # the batch is tokenized and running
+        t = time.monotonic()
+        small = post(base, input=UNRELATED)
+        took = time.monotonic() - t
+        running = not big.done()
+        whole = big.result(timeout=300)
+        batch_took = time.monotonic() - started
+    assert small.status_code == 200 and whole.status_code == 200, (small.text, whole.text[:200])
+    assert len(whole.json()["data"]) == 2048
+    print(f"single input {took:.2f} s beside a batch of 2,048 that took {batch_took:.1f} s")
+    assert running, "the batch ended before the single input was sent: nothing was shown"
+    assert took < 2.0, took

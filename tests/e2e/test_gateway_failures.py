@@ -55,12 +55,22 @@ def cold_server(tiny_model_dir: Path) -> Iterator[tuple[GatewayProc, WorkerProc,
     measured step costs say it fits its deadline, so these tests make the estimate wrong the way
     a host does, by stalling the worker (SIGSTOP, shorter than the heartbeat timeout) after the
     request is admitted: its 504 and "timeout" paths are then what a client meets."""
-    with GatewayProc("--api-keys", KEY, "--max-outstanding", "1", "--max-queue", "1") as gw, \
+    with GatewayProc("--api-keys", KEY, "--max-outstanding", "1", "--max-queue", "1",
+                     "--heartbeat-timeout-s", str(HEARTBEAT_S)) as gw, \
             WorkerProc(tiny_model_dir, gw.engine_address, *ONE_THREAD, "--max-num-seqs", "1",
                        "--max-model-len", str(MAX_MODEL_LEN)) as wk:
         gw.wait_ready()
         with httpx.Client(base_url=gw.base_url, headers=AUTH, timeout=30) as http:
             yield gw, wk, http
+
+
+# The deadline tests' times. The admission estimate of SHORT's 20 tokens must fit DEADLINE_S
+# however slow the host: on a loaded 2-core CI host the tiny model's measured step reached 15 ms
+# (20 tokens: 0.3 s, and a 0.3 s deadline was refused with 429). The stall outlasts the deadline
+# by a margin and stays well inside the heartbeat timeout, so the worker is never declared lost.
+DEADLINE_S = 1.0
+STALL_S = 2.0
+HEARTBEAT_S = 6.0
 
 
 @contextlib.contextmanager
@@ -330,10 +340,10 @@ def test_a_deadline_shorter_than_the_generation_gets_504_and_stops_the_worker(
     gw, wk, http = cold_server
     wait_idle(http)
     start = time.monotonic()
-    with stalled(wk):
-        err = error_of(http.post("/v1/completions", json={**SHORT, "timeout": 0.3}), 504)
+    with stalled(wk, STALL_S):
+        err = error_of(http.post("/v1/completions", json={**SHORT, "timeout": DEADLINE_S}), 504)
     assert err["code"] == "timeout" and err["type"] == "timeout_error"
-    assert 0.25 < time.monotonic() - start < 1.3
+    assert DEADLINE_S - 0.05 < time.monotonic() - start < STALL_S + 0.5
     # The worker stopped it: it ended cut short, not by running to max_tokens.
     wait_idle(http)
     end = worker_end_of_last_request(gw, wk)
@@ -361,8 +371,8 @@ def test_a_stream_past_its_deadline_ends_with_finish_reason_timeout(cold_server:
     gw, wk, http = cold_server
     wait_idle(http)
     body = {**SHORT, "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 20,
-            "stream": True, "timeout": 0.3}
-    with stalled(wk), http.stream("POST", route, json=body) as resp:
+            "stream": True, "timeout": DEADLINE_S}
+    with stalled(wk, STALL_S), http.stream("POST", route, json=body) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"

@@ -342,4 +342,9 @@ def test_a_large_grammar_is_built_without_stalling_running_streams(tiny_model_di
             for i in range(2):
                 assert constrained(i).status_code == 200
             streaming.result(timeout=60)
-        assert len(gaps) > 100 and max(gaps) < 0.25, (len(gaps), sorted(gaps)[-5:])
+        # Built on the loop, each of the two grammars held every stream for its build: two gaps
+        # of a build's length. A loaded host may stall one token once, for its own reasons (CI
+        # once saw a single 0.27 s gap among 351): one long gap is the host's, two the build's.
+        long_gaps = [g for g in gaps if g > 0.25]
+        assert len(gaps) > 100 and len(long_gaps) <= 1 and max(gaps) < 0.6, (
+            len(gaps), sorted(gaps)[-5:])

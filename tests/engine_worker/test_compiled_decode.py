@@ -33,13 +33,15 @@ STEPS = 100
 KV = 8 << 20  # bytes: 2 layers x 2 KV heads x 16 dims, float32: ~16k tokens
 
 
-def _runner(folder: Path, gguf_path: Path | None, compile_mode: str, cache: Path) -> ModelRunner:
+def _runner(folder: Path, gguf_path: Path | None, compile_mode: str, cache: Path,
+            kv_cache_dtype: str) -> ModelRunner:
     # GGUF-native layers switch to a bfloat16 copy at 4 rows here, whatever this host would
     # measure (engine_worker/path_choice.py): a switch inside the compiled buckets is the case
     # these tests need.
     return ModelRunner(RunnerConfig(folder, kv_budget_bytes=KV, block_size=16, max_model_len=1024,
                                     gguf_path=gguf_path, compile_mode=compile_mode, max_num_seqs=8,
-                                    cache_dir=cache, dense_min_rows=4))
+                                    cache_dir=cache, dense_min_rows=4,
+                                    kv_cache_dtype=kv_cache_dtype))
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +49,22 @@ def cache(new_cache_dir: Callable[[], Path]) -> Path:
     return new_cache_dir()  # Inductor's folder empty; our C++ kernels the host's (conftest.py)
 
 
-@pytest.fixture(scope="module", params=["float32", "gguf-q4_1"])
+# The weights, then the KV cache's dtype: float32 keeps the comparison at float32's rounding; the
+# default bfloat16 cache rounds each stored k/v to 8 bits, so float32-rounding differences in
+# k/v between the two runners may land a bfloat16 step apart (bounded as the GGUF layers are).
+@pytest.fixture(scope="module", params=["float32", "gguf-q4_1", "float32-kv-bfloat16"])
 def pair(request: pytest.FixtureRequest, tiny_dir: Path, cache: Path,
          tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRunner, ModelRunner]:
     """(eager runner, compiled runner) over the same weights."""
     path = None
-    if request.param != "float32":
+    kv = "bfloat16" if request.param.endswith("kv-bfloat16") else "float32"
+    if request.param.startswith("gguf"):
         cfg = load_config(tiny_dir)
         q = gguf.GGMLQuantizationType
         path = write_gguf(tiny_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", q.Q4_1,
                           q.Q8_0, cfg.num_heads, cfg.num_kv_heads)
-    return _runner(tiny_dir, path, "off", cache), _runner(tiny_dir, path, "decode", cache)
+    return (_runner(tiny_dir, path, "off", cache, kv),
+            _runner(tiny_dir, path, "decode", cache, kv))
 
 
 def _greedy(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]
@@ -99,9 +106,11 @@ def test_compiled_decode_gives_eager_tokens_and_logits(
     if len(lengths) > 1:  # the longest context crossed the first context bucket's edge
         assert {nblk for _, nblk in compiled.compiled.compiled} >= {16, 32}
     # Inductor fuses the casts around the GGUF layers' bfloat16 copies: a few bfloat16 steps
-    # apart there, float32 rounding apart otherwise. Each row is compared until the eager
-    # run's first near tie (top two within twice the bound): past it either token is right.
-    ulps = BF16_ULPS if eager.quant.mode == "gguf" else ULPS
+    # apart there (and through a bfloat16 KV cache), float32 rounding apart otherwise. Each row
+    # is compared until the eager run's first near tie (top two within twice the bound): past it
+    # either token is right.
+    bf16 = eager.quant.mode == "gguf" or eager.kv_dtype == torch.bfloat16
+    ulps = BF16_ULPS if bf16 else ULPS
     for i in range(len(lengths)):
         for step, (a, b) in enumerate(zip(got_logits, want_logits, strict=True)):
             try:
@@ -202,8 +211,8 @@ def test_compiled_decode_runs_a_registered_custom_attention_op(
 
     monkeypatch.setattr(Attention, "_decode_grouped", grouped)
     cache = new_cache_dir()
-    eager = _runner(tiny_dir, None, "off", cache)
-    compiled = _runner(tiny_dir, None, "decode", cache)
+    eager = _runner(tiny_dir, None, "off", cache, "float32")
+    compiled = _runner(tiny_dir, None, "decode", cache, "float32")
     prompts, tables = [[5, 6, 7], [8, 9, 10, 11, 12]], [[1, 2], [3, 4]]
     for r in (eager, compiled):
         r.execute([StepItem(p, 0, t) for p, t in zip(prompts, tables, strict=True)])

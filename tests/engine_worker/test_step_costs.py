@@ -89,6 +89,17 @@ def test_with_nothing_decoding_prefill_takes_the_row_cap() -> None:
     assert costs(max_rows=2048).prefill_rows(0) == 2048
 
 
+def test_rows_within_a_time_are_priced_at_the_measured_row_cost() -> None:
+    """What bounds a step of embedding inputs with nobody decoding (engine.py): at 15 ms a row,
+    0.25 s holds 16 rows; unmeasured, the cap; never more than the cap, never under one row."""
+    c = costs(max_rows=2048)
+    assert c.rows_within(0.25) == 16
+    assert c.rows_within(1.5) == 100
+    assert c.rows_within(1000.0) == 2048
+    assert c.rows_within(0.001) == 1
+    assert StepCosts(512).rows_within(0.25) == 512
+
+
 def test_the_same_policy_gives_a_small_model_larger_chunks() -> None:
     """Tuned on nothing: a model 10x cheaper per row gets its chunk from its own costs."""
     small = {"decode": [(1, 0.012), (4, 0.014), (16, 0.025)],
