@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from gateway.admission.queue import Served, Slot, Ticket
 from gateway.api.errors import APIError
@@ -110,11 +111,7 @@ class Exchange:
                     return self._stream(draft.deadline, self._way_in(draft, key))
                 # The granted claim keeps its model from eviction until the reservation.
                 await unless_gone(gone, _granted(self.claim))
-            self.ticket = state.admit.reserve(draft)  # the 429 decision, before tokenizing
-            self._unclaim()  # admission counts it for its model from here on
-            # Tokenizing happens while the ticket holds its place (or its slot) in the queue.
-            req = await unless_gone(gone, state.intake.prepare(draft, key))
-        state.admit.check_fit(req, self.ticket)  # 400 or 429 now, not a 504 after the deadline
+            req = await self._admitted(draft, key, gone)
         if draft.stream and not self.ticket.granted:
             # It waits in the queue: answer 200 now and keep the stream alive with comments
             # while it waits (a proxy would cut a silent one); errors from here on are events.
@@ -128,14 +125,24 @@ class Exchange:
     async def _way_in(self, draft: Draft, key: str | None) -> None:
         """A stream's way in while its model loads, run inside the stream: the model, its place
         in the queue, its tokens, the fit, its start."""
-        state = self.state
         assert self.claim is not None
         await self.claim.wait()
-        self.ticket = state.admit.reserve(draft)  # no await since the claim was granted
+        await self._start(await self._admitted(draft, key))
+
+    async def _admitted(self, draft: Draft, key: str | None,
+                        gone: Receive | None = None) -> EngineRequest:
+        """The one admission sequence, whichever way a request came in: the 429 decision (a
+        ticket: a place in the queue, or a slot) before tokenizing, with no await between a
+        granted claim and it; the claim handed over to admission, which counts the request for
+        its model from here on; the tokens, while the ticket holds its place (ClientGone if
+        `gone` says the client left); the fit: 400 or 429 now, not a 504 after the deadline."""
+        state = self.state
+        self.ticket = state.admit.reserve(draft)
         self._unclaim()
-        req = await state.intake.prepare(draft, key)
+        prepared = state.intake.prepare(draft, key)
+        req = await (prepared if gone is None else unless_gone(gone, prepared))
         state.admit.check_fit(req, self.ticket)
-        await self._start(req)
+        return req
 
     def _ticket_out(self) -> Ticket:
         """The ticket, handed to admit.seat, which always turns it into the slot or gives it

@@ -140,3 +140,17 @@ def test_a_model_granted_to_a_request_is_not_unloaded_before_its_reservation(
     resp = asyncio.run(run())
     assert resp.status_code == 200, resp.text
     assert len(others) == 1 and stopped_at_reservation == [[]]  # tiny was up for its place
+
+
+def test_one_admission_sequence_reserves_for_every_way_in() -> None:
+    """Issue 55: a request's place in the queue is reserved in one place, Exchange._admitted,
+    whether it came in directly or waited for its model to load; no other gateway code calls
+    admit.reserve."""
+    import re
+    from pathlib import Path
+
+    gateway = Path(__file__).resolve().parents[3] / "gateway"
+    calls = [(p.relative_to(gateway.parent), n) for p in sorted(gateway.rglob("*.py"))
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\badmit\.reserve\(", line)]
+    assert len(calls) == 1 and calls[0][0].as_posix() == "gateway/api/exchange.py", calls
