@@ -83,8 +83,16 @@ def start(n: int, routing: str, worker_flags: list[str], gateway_flags: tuple[st
                 break
         except httpx.HTTPError:
             pass
+        gone = [w for w in workers if w.popen is not None and w.popen.poll() is not None]
+        if gone:  # a worker that died at start never joins: say so now, with its own output
+            why = (f"a simulated worker exited with {gone[0].popen.poll()} before joining:\n"
+                   f"{gone[0].output()[-2000:]}")
+            stop(gw, workers)
+            raise RuntimeError(why)
         if time.monotonic() > deadline:
-            raise TimeoutError(gw.output()[-2000:])
+            why = gw.output()[-2000:]
+            stop(gw, workers)
+            raise TimeoutError(why)
         time.sleep(0.1)
     return gw, workers
 
