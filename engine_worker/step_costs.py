@@ -209,9 +209,8 @@ class StepCosts:
 
     def rows_within(self, seconds: float) -> int:
         """The most prompt rows a step with no decoders carries in about `seconds`, by the
-        measured cost of a row: the cap where nothing is measured yet."""
-        if not self._prefill:
-            return self.max_rows
+        measured cost of a row: the cap where nothing is measured yet (a row of no known cost
+        is priced at nothing)."""
         return min(self.max_rows, self._rows_in(seconds, self.max_rows))
 
     def _rows_in(self, room: float, cap: int) -> int:
