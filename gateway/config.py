@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.settings import setting
-from gateway.engine.router import ROUTING_POLICIES
-from gateway.output.reasoning import PARSERS
 from protocol.transport import DEFAULT_ENGINE_ADDRESS
+
+# The choices of two flags, named here so that the settings import nothing of the gateway above
+# them: gateway.engine.router implements the policies, gateway.output.reasoning the parsers.
+ROUTING_POLICIES = ("cache_aware", "least_loaded")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ class GatewayConfig:
                      "sse_keepalive_s", "template_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.reasoning_parser and self.reasoning_parser not in PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)} (or empty)")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
+                             "(or empty)")
         if self.max_rendered_prompt_chars < 0:
             raise ValueError("max_rendered_prompt_chars must be >= 0")
         if not 0 <= self.api_server_index < self.api_server_count:

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from common.block_hash import block_hashes
+from gateway.config import ROUTING_POLICIES
 from protocol import messages as m
 
-ROUTING_POLICIES = ("cache_aware", "least_loaded")
 MAX_INDEX_BLOCKS = 1 << 16  # per worker, whatever KV capacity it claims
 
 

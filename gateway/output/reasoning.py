@@ -19,14 +19,15 @@ tag is held back until it is known, never sent as text.
 
 from __future__ import annotations
 
-PARSERS = ("deepseek_r1", "qwen3")
+from gateway.config import REASONING_PARSERS
+
 START, END = "<think>", "</think>"
 
 
 class Reasoning:
     def __init__(self, parser: str) -> None:
-        if parser not in PARSERS:
-            raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}")
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}")
         self.parser = parser
         self.state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
         self.held = ""
