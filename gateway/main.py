@@ -20,10 +20,10 @@ from common.jsonlog import setup_logging
 from common.settings import parse_settings
 from gateway.admission.shared_limits import shared_state_problem
 from gateway.api.app import create_app
-from gateway.api.http_protocol import guarded_h11
 from gateway.api_servers import Children, all_link_addresses, listen_socket, own_share
 from gateway.config import GatewayConfig
 from gateway.engine.on_demand import Spawner
+from gateway.http.http_protocol import guarded_h11
 
 log = logging.getLogger("kestrel.gateway")
 DRAIN_BACKSTOP_S = 2.0

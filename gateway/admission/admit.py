@@ -24,9 +24,9 @@ from prometheus_client import Counter
 
 from gateway.admission.backlog import Capacity, Work, capacity_of
 from gateway.admission.queue import Admissions, QueueClosed, Rejected, Slot, Ticket
-from gateway.api.errors import APIError, too_many_requests
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
+from gateway.http.errors import APIError, too_many_requests
 from gateway.prompt.intake import ROUTES, Draft, EngineRequest
 
 

@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from gateway.admission.rate_limit import RateLimiter
 from gateway.admission.shared_limits import SharedRateLimiter
-from gateway.api.errors import APIError, too_many_requests
+from gateway.http.errors import APIError, too_many_requests
 
 
 class Auth:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from prometheus_client import Counter
 from starlette.requests import Request
 
-from gateway.api.errors import too_many_requests
+from gateway.http.errors import too_many_requests
 from gateway.offload import Shares
 
 MIN_BYTES = 64 * 1024

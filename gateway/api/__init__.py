@@ -1,2 +1,2 @@
-"""The HTTP surface: the Starlette app, OpenAI's routes and request schemas, errors in OpenAI's
-shape, bodies read with limits, SSE."""
+"""The gateway's roof: the Starlette app and its routes, each engine route one Exchange, and
+/openapi.json."""

@@ -20,15 +20,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api import errors, tokenize_routes
-from gateway.api.body import read_json
-from gateway.api.errors import APIError, validated
+from gateway.api import tokenize_routes
 from gateway.api.exchange import answer
 from gateway.api.openapi import OpenAPIDocument, server_figures
-from gateway.api.schemas import ModelRequest
 from gateway.config import GatewayConfig
 from gateway.dialects import ollama_info
 from gateway.engine.on_demand import OnDemand, Spawner
+from gateway.http import errors
+from gateway.http.body import read_json
+from gateway.http.errors import APIError, validated
+from gateway.http.schemas import ModelRequest
 from gateway.offload import LoopLag
 from gateway.service import GatewayState
 

@@ -29,13 +29,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from gateway.admission.queue import Served, Slot, Ticket
-from gateway.api.errors import APIError
-from gateway.api.streaming import ClientGone, SSEResponse, unless_gone
 from gateway.dialects.anthropic_reply import MessagesFormatter
 from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
 from gateway.dialects.responses_reply import ResponsesFormatter
 from gateway.engine.engine_client import NoWorkerError
 from gateway.engine.on_demand import Claim
+from gateway.http.errors import APIError
+from gateway.http.streaming import ClientGone, SSEResponse, unless_gone
 from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
 from gateway.output.formatters import Formatter
 from gateway.output.generation import EngineFailure, Generation

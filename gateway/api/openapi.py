@@ -1,5 +1,5 @@
 """`/openapi.json`: the gateway's OpenAPI 3.1 description, built from the pydantic request
-schemas (gateway.api.schemas, through the routes' formatters), so it cannot drift from what the
+schemas (gateway.http.schemas, through the routes' formatters), so it cannot drift from what the
 routes validate, and completed per request with what only the running server knows.
 
     ROUTES (path, method, request model or None, summary) ──pydantic models_json_schema──▶
@@ -9,7 +9,7 @@ routes validate, and completed per request with what only the running server kno
         (per request; rendered again only when a figure changed: a model joined or left)
 
 The rules across fields that the routes check after pydantic are in the models' schemas too
-(gateway.api.request_rules). What no schema can say (a prompt's length in tokens, whether a grammar
+(gateway.http.request_rules). What no schema can say (a prompt's length in tokens, whether a grammar
 compiles, a deadline too short for this request on this server) is in the fields'
 descriptions. A timeout's least is not stated though the workers' speed is measured: the least
 request's time is no bound for a longer one, and a timeout drawn at that edge is admitted and
@@ -30,11 +30,11 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.api.schemas import SERVER_BOUND, DetokenizeRequest, ModelRequest, TokenizeRequest
 from gateway.config import GatewayConfig
 from gateway.dialects.anthropic import CountTokensRequest
 from gateway.engine.on_demand import STATUSES
 from gateway.engine.registry import Registry
+from gateway.http.schemas import SERVER_BOUND, DetokenizeRequest, ModelRequest, TokenizeRequest
 from gateway.prompt.intake import ROUTES as INTAKE_ROUTES
 
 REF = "#/components/schemas/{model}"
@@ -191,7 +191,8 @@ def _model_operation(path: str, schema: dict[str, Any], summary: str,
 
 def server_figures(cfg: GatewayConfig, registry: Registry) -> dict[str, Any]:
     """The figures the routes check requests against on this server now, by the names
-    gateway.api.schemas.server_bound gives them; those of the models absent while none is served."""
+    gateway.http.schemas.server_bound gives them; those of the models absent while none is
+    served."""
     figures: dict[str, Any] = {"max_prompt_chars": cfg.max_prompt_chars,
                                "max_prompt_ids": cfg.max_prompt_chars,
                                "max_tokens": cfg.max_tokens_cap}

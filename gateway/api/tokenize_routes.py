@@ -20,15 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import offload
-from gateway.api.body import read_json
-from gateway.api.errors import APIError, too_many_requests, validated
-from gateway.api.schemas import (
+from gateway.dialects import anthropic
+from gateway.http.body import read_json
+from gateway.http.errors import APIError, too_many_requests, validated
+from gateway.http.schemas import (
     ChatCompletionRequest,
     DetokenizeRequest,
     RequestBase,
     TokenizeRequest,
 )
-from gateway.dialects import anthropic
 from gateway.prompt.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:

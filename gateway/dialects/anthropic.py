@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.errors import APIError, validated
-from gateway.api.output_schemas import FUNCTION_NAME
-from gateway.api.schemas import (
+from gateway.http.errors import APIError, validated
+from gateway.http.output_schemas import FUNCTION_NAME
+from gateway.http.schemas import (
     MAX_STOP,
     MAX_TOKENS,
     PROMPT_TEXT,

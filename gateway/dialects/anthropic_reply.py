@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.api.streaming import sse_typed_event
 from gateway.dialects.anthropic import error_body, error_status
+from gateway.http.streaming import sse_typed_event
 from gateway.output.formatters import ChatFormatter, Formatter
 from gateway.output.generation import ChoiceEvent, Generation
 from gateway.prompt.intake import EngineRequest

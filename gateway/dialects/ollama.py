@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.api.errors import validated
-from gateway.api.output_schemas import Tool
-from gateway.api.schemas import (
+from gateway.http.errors import validated
+from gateway.http.output_schemas import Tool
+from gateway.http.schemas import (
     MAX_STOP,
     PROMPT_TEXT,
     STOP_TEXT,

@@ -16,10 +16,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api.body import read_json
-from gateway.api.errors import APIError
 from gateway.dialects.ollama import VERSION, error_body
 from gateway.engine.registry import ModelEntry
+from gateway.http.body import read_json
+from gateway.http.errors import APIError
 from gateway.service import GatewayState
 
 

@@ -15,8 +15,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.dialects.ollama import error_body
+from gateway.http.schemas import ChatCompletionRequest
 from gateway.output.formatters import ChatFormatter, CompletionFormatter, Formatter
 from gateway.output.generation import ChoiceEvent, Generation
 from gateway.prompt.intake import EngineRequest

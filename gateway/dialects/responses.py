@@ -31,10 +31,10 @@ from pydantic import (
     Tag,
 )
 
-from gateway.api.errors import APIError, validated
-from gateway.api.output_schemas import FUNCTION_NAME
-from gateway.api.request_rules import TOOL_PLAN
-from gateway.api.schemas import (
+from gateway.http.errors import APIError, validated
+from gateway.http.output_schemas import FUNCTION_NAME
+from gateway.http.request_rules import TOOL_PLAN
+from gateway.http.schemas import (
     LOGPROBS,
     MAX_TOKENS,
     PROMPT_TEXT,

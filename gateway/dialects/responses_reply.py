@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.api.errors import error_body
-from gateway.api.streaming import sse_typed_event
 from gateway.dialects.responses import ResponsesRequest, chat_param
+from gateway.http.errors import error_body
+from gateway.http.streaming import sse_typed_event
 from gateway.output.formatters import ChatFormatter, Formatter
 from gateway.output.generation import ChoiceEvent, Generation
 from gateway.prompt.intake import EngineRequest

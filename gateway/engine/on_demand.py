@@ -38,8 +38,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gateway.api.errors import APIError, too_many_requests
 from gateway.engine.registry import ModelEntry, Registry
+from gateway.http.errors import APIError, too_many_requests
 
 log = logging.getLogger("kestrel.gateway")
 

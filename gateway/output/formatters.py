@@ -14,8 +14,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from gateway.api.errors import error_body
-from gateway.api.streaming import KEEPALIVE, sse_event
+from gateway.http.errors import error_body
+from gateway.http.streaming import KEEPALIVE, sse_event
 from gateway.output.generation import ChoiceEvent, EngineFailure, Generation
 from gateway.output.reasoning import Reasoning, split
 from gateway.output.reasoning import fields as reasoning_fields

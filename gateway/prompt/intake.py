@@ -1,6 +1,6 @@
 """From a request body to an engine request, each part decided once.
 
-    read: the body (413/408/400, gateway.api.body) ──parse──▶ the route's schema (422)
+    read: the body (413/408/400, gateway.http.body) ──parse──▶ the route's schema (422)
           ──▶ Draft: the body and its deadline (arrival + its timeout, up to --max-timeout-s;
               none asked: --default-timeout-s, none by default)
     prepare: model (404/503) ──▶ the prompt (the route's: text, token ids, or chat messages
@@ -26,9 +26,12 @@ from starlette.requests import Request
 
 from gateway import offload
 from gateway.admission.tenancy import cache_salt
-from gateway.api.body import Readers, read_json
-from gateway.api.errors import APIError, too_many_requests, validated
-from gateway.api.schemas import (
+from gateway.config import GatewayConfig
+from gateway.dialects import anthropic, ollama, responses
+from gateway.engine.engine_client import EngineClient, ModelEntry
+from gateway.http.body import Readers, read_json
+from gateway.http.errors import APIError, too_many_requests, validated
+from gateway.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -37,9 +40,6 @@ from gateway.api.schemas import (
     RequestLimitError,
     check_limits,
 )
-from gateway.config import GatewayConfig
-from gateway.dialects import anthropic, ollama, responses
-from gateway.engine.engine_client import EngineClient, ModelEntry
 from gateway.prompt.structured import request_grammar
 from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
 from gateway.prompt.tools import ToolPlan, render_messages, template_messages, template_tools

@@ -28,7 +28,7 @@ from typing import Any
 from llguidance import LLMatcher, grammar_from
 
 from gateway import offload
-from gateway.api.errors import APIError, too_many_requests
+from gateway.http.errors import APIError, too_many_requests
 from gateway.prompt.grammar_cache import CACHE
 
 COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}  # separators "," and ":" only

@@ -52,8 +52,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.errors import APIError
-from gateway.api.output_schemas import NamedToolChoice, Tool
+from gateway.http.errors import APIError
+from gateway.http.output_schemas import NamedToolChoice, Tool
 from gateway.output.tool_calls import CLOSE, OPEN, CallStream, parse_calls
 from gateway.prompt.tokenizer import GatewayTokenizer
 

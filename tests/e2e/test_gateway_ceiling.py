@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from benchmarks import bench_gateway_ceiling
-from gateway.api.streaming import sse_event
+from gateway.http.streaming import sse_event
 
 BOUND = 11.0  # gateway CPU per streamed token, in chunk framings
 

@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.api.exchange import FORMATTERS
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.engine.engine_client import EngineClient
 from gateway.engine.registry import WorkerState
+from gateway.http.schemas import ChatCompletionRequest
 from gateway.output.generation import Generation
 from gateway.prompt.intake import ROUTES, EngineRequest
 from gateway.prompt.tokenizer import GatewayTokenizer

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.admission.admit import Admitter
 from gateway.admission.backlog import MARGIN, Work
 from gateway.admission.queue import QueueFull, Served
-from gateway.api.errors import APIError
-from gateway.api.schemas import GenerateRequest
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
+from gateway.http.errors import APIError
+from gateway.http.schemas import GenerateRequest
 from gateway.prompt.intake import Draft, EngineRequest
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import codec

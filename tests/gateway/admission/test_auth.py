@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from gateway.api.errors import APIError
 from gateway.config import GatewayConfig
+from gateway.http.errors import APIError
 from gateway.service import GatewayState
 
 

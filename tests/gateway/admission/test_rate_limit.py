@@ -6,8 +6,8 @@ import pytest
 from starlette.requests import Request
 
 from gateway.admission.rate_limit import RateLimiter
-from gateway.api.errors import APIError
 from gateway.config import GatewayConfig
+from gateway.http.errors import APIError
 from gateway.service import GatewayState
 
 

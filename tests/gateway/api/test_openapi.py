@@ -1,5 +1,5 @@
 """gateway/api/openapi.py: /openapi.json says what the routes enforce (issue 23). The request
-schemas' bounds, the rules across fields (gateway/api/request_rules.py) and the running server's
+schemas' bounds, the rules across fields (gateway/http/request_rules.py) and the running server's
 figures (served model names, vocabulary, context, configured limits), checked against the intake
 itself with one fake worker: a body the document refuses, the route refuses; one it admits, the
 route serves (for what a schema can say: not a grammar that does not compile, nor a prompt's token
@@ -18,10 +18,10 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from gateway.api.app import create_app
-from gateway.api.errors import APIError
 from gateway.api.openapi import OpenAPIDocument, server_figures
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
+from gateway.http.errors import APIError
 from gateway.prompt.intake import Intake
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m

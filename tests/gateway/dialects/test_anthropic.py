@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from gateway.api.errors import APIError
 from gateway.dialects import anthropic
 from gateway.dialects.anthropic_reply import MessagesFormatter
+from gateway.http.errors import APIError
 from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m

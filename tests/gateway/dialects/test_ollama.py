@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from gateway.api.errors import APIError
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.dialects.ollama_reply import OllamaFormatter
+from gateway.http.errors import APIError
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m

@@ -17,9 +17,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.api.app import create_app
-from gateway.api.errors import APIError
 from gateway.config import GatewayConfig
 from gateway.dialects.responses_reply import ResponsesFormatter
+from gateway.http.errors import APIError
 from gateway.prompt.intake import ROUTES
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m

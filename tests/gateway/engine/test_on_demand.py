@@ -10,8 +10,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.api.errors import APIError
 from gateway.engine.on_demand import OnDemand
+from gateway.http.errors import APIError
 
 
 class FakeSpawner:

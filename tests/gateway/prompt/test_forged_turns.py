@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.config import GatewayConfig
 from gateway.dialects import anthropic, ollama, responses
+from gateway.http.schemas import ChatCompletionRequest
 from gateway.prompt.intake import Intake, parse_body
 from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
 from protocol import messages as m

@@ -14,9 +14,9 @@ import pytest
 from starlette.requests import Request
 
 from gateway.admission.tenancy import cache_salt
-from gateway.api.errors import APIError
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
+from gateway.http.errors import APIError
 from gateway.prompt.intake import Draft, EngineRequest, Intake
 from gateway.prompt.tokenizer import GatewayTokenizer
 from protocol import messages as m

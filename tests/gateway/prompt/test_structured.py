@@ -9,8 +9,8 @@ import json
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from gateway.api.errors import APIError
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.errors import APIError
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.prompt.grammar_cache import GrammarCache
 from gateway.prompt.structured import json_grammar, request_grammar
 from protocol.messages import TokenizerInfo

@@ -12,8 +12,8 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 from tokenizers import AddedToken, Tokenizer
 
-from gateway.api.errors import APIError
-from gateway.api.schemas import ChatCompletionRequest
+from gateway.http.errors import APIError
+from gateway.http.schemas import ChatCompletionRequest
 from gateway.output.tool_calls import CLOSE, OPEN
 from gateway.prompt.structured import build_checked
 from gateway.prompt.tokenizer import GatewayTokenizer

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.api.errors import APIError
+from gateway.http.errors import APIError
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -1,6 +1,6 @@
 """Request types for structured output and tools, as OpenAI and vLLM name them.
 
-`gateway.api.schemas` adds these as optional fields of the chat and completion bodies; the semantic
+`gateway.http.schemas` adds these as optional fields of the chat and completion bodies; the semantic
 checks (does the schema compile? does the named tool exist?) live in `gateway.prompt.structured` and
 `gateway.prompt.tools`, which answer 400. Here only the shapes are checked (422 on a wrong type).
 """

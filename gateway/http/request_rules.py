@@ -1,5 +1,5 @@
 """The rules across a body's fields that the routes check after pydantic, in JSON Schema, so that
-/openapi.json states them too (gateway.api.schemas adds them to the request models' schemas; the
+/openapi.json states them too (gateway.http.schemas adds them to the request models' schemas; the
 routes' own checks, and their 400s, stay where they are):
 
     gateway.prompt.structured: one constraint at most (response_format other than "text", a guided_*

@@ -1,4 +1,4 @@
-"""gateway/api/schemas.py: OpenAI's types, strictly; the bounds; the configured limits; and how a
+"""gateway/http/schemas.py: OpenAI's types, strictly; the bounds; the configured limits; and how a
 violation is named in the 422 (gateway/errors.validation_error). Also how parsed values become
 the limits a request runs under (Intake.sampling and Intake.deadline)."""
 
@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from gateway.api.errors import APIError, validation_error
-from gateway.api.schemas import (
+from gateway.config import GatewayConfig
+from gateway.http.errors import APIError, validation_error
+from gateway.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -18,7 +19,6 @@ from gateway.api.schemas import (
     RequestLimitError,
     check_limits,
 )
-from gateway.config import GatewayConfig
 from gateway.service import GatewayState
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""gateway/api/streaming.py SSEResponse against fake ASGI peers: a client that never takes a send
+"""gateway/http/streaming.py SSEResponse against fake ASGI peers: a client that never takes a send
 (TCP backpressure) loses its stream at its deadline, and a quiet stream gets keep-alive comments."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
-from gateway.api.streaming import KEEPALIVE, SSEResponse
+from gateway.http.streaming import KEEPALIVE, SSEResponse
 
 
 async def _never_disconnects() -> Message:

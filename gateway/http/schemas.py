@@ -34,15 +34,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.api.errors import LIMIT_ERROR
-from gateway.api.output_schemas import (
+from gateway.http.errors import LIMIT_ERROR
+from gateway.http.output_schemas import (
     ResponseFormat,
     StructuredOutputs,
     Tool,
     ToolCall,
     ToolChoice,
 )
-from gateway.api.request_rules import CHAT_RULES, COMPLETION_RULES, TOKENIZE_RULES
+from gateway.http.request_rules import CHAT_RULES, COMPLETION_RULES, TOKENIZE_RULES
 from gateway.prompt.chat_template import TEMPLATE_VARIABLES
 
 MAX_N = 8
