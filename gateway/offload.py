@@ -19,7 +19,7 @@ a job held back for its key waits in order, it is not refused.
 
 The threads are daemons: a job that cannot be interrupted (native code) never keeps the process
 from exiting on SIGTERM. Python jobs that may run long bound themselves (the chat template's
-render stops at its deadline: gateway/prompt/tokenizer.py). `LoopLag` samples how late the event
+render stops at its deadline: gateway/tokens/tokenizer.py). `LoopLag` samples how late the event
 loop wakes, the figure that says whether anything still blocks it (kestrel_event_loop_lag_seconds).
 """
 

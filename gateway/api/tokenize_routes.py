@@ -29,7 +29,7 @@ from gateway.http.schemas import (
     RequestBase,
     TokenizeRequest,
 )
-from gateway.prompt.tokenizer import ChatTemplateError
+from gateway.tokens.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from gateway.engine.registry import ModelEntry

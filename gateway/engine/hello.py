@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from gateway import offload
 from gateway.engine.registry import Registry, check_hello
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 

@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 
 log = logging.getLogger("kestrel.gateway.engine")

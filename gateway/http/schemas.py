@@ -43,7 +43,7 @@ from gateway.http.output_schemas import (
     ToolChoice,
 )
 from gateway.http.request_rules import CHAT_RULES, COMPLETION_RULES, TOKENIZE_RULES
-from gateway.prompt.chat_template import TEMPLATE_VARIABLES
+from gateway.tokens.chat_template import TEMPLATE_VARIABLES
 
 MAX_N = 8
 MAX_LOGPROBS = 5

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
 

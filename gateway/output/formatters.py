@@ -251,7 +251,7 @@ class ChatFormatter(Formatter):
 
     def _tool_stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         """Content passes through; tool calls are sent as tool_calls deltas when the choice
-        ends (gateway.output.tool_calls)."""
+        ends (gateway.prompt.tool_calls)."""
         deltas, finish = self.tool_streams[event.index].feed(event.text, event.finish_reason)
         chunks = []
         for k, delta in enumerate(deltas):

@@ -135,7 +135,7 @@ class Generation:
         self._live = False  # the worker may still be generating for us
         self.grammar = grammar  # llguidance grammar for the worker's mask; None: free text
         self.traceparent: str | None = None  # set by the tracer before start(); None: off
-        self.cache_salt = cache_salt  # the prefix cache's tenant (gateway/admission/tenancy.py)
+        self.cache_salt = cache_salt  # the prefix cache's tenant (gateway/prompt/tenancy.py)
         self.input_lengths = input_lengths or []  # embeddings: one vector per input, no tokens
         self._backlog: deque[Event] = deque()  # frames taken from the queue, not yet handled
         # Frames are joined only without stop strings: a stop met inside a joined frame would

@@ -1,2 +1,2 @@
-"""A body becomes an engine request: the tokenizer, chat templates (sandboxed), tools in the prompt,
-structured output's grammars."""
+"""A body becomes an engine request: the model, the prompt (tools in it), the tenant's prefix
+cache, structured output's grammars, the tokens (through gateway.tokens)."""

@@ -25,7 +25,6 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway import offload
-from gateway.admission.tenancy import cache_salt
 from gateway.config import GatewayConfig
 from gateway.dialects import anthropic, ollama, responses
 from gateway.engine.engine_client import EngineClient, ModelEntry
@@ -41,8 +40,9 @@ from gateway.http.schemas import (
     check_limits,
 )
 from gateway.prompt.structured import request_grammar
-from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer
+from gateway.prompt.tenancy import cache_salt
 from gateway.prompt.tools import ToolPlan, render_messages, template_messages, template_tools
+from gateway.tokens.tokenizer import ChatTemplateError, GatewayTokenizer
 from protocol import messages as m
 
 Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long prompt is CPU work
@@ -106,7 +106,7 @@ class EngineRequest:
     params: m.SamplingParams
     stop: list[str]
     grammar: str | None = None  # structured output (gateway/prompt/structured.py)
-    cache_salt: str = ""  # the prefix cache's tenant (gateway/admission/tenancy.py)
+    cache_salt: str = ""  # the prefix cache's tenant (gateway/prompt/tenancy.py)
     tool_plan: ToolPlan | None = None  # chat with callable tools (gateway/prompt/tools.py)
     skip_special_tokens: bool = True  # in the text: special tokens dropped
     include_stop: bool = False  # in the text: the matched stop string kept

@@ -7,7 +7,7 @@
       ──ToolPlan.lark──▶ a grammar (gateway.prompt.structured validates it; the worker enforces it)
     output text ──ToolPlan.message──▶ content + message.tool_calls + finish_reason "tool_calls"
     streamed text ──ToolPlan.stream().feed──▶ content deltas, then tool_calls deltas
-    (both through gateway.output.tool_calls, which parses `<tool_call>` blocks)
+    (both through gateway.prompt.tool_calls, which parses `<tool_call>` blocks)
 
 Two prompt formats, one call format. **Native**: the model's chat template has a tools branch
 that asks for `<tool_call>` blocks (Qwen2.5's; `GatewayTokenizer.native_tools`): the tools go to
@@ -54,8 +54,8 @@ from typing import Any
 
 from gateway.http.errors import APIError
 from gateway.http.output_schemas import NamedToolChoice, Tool
-from gateway.output.tool_calls import CLOSE, OPEN, CallStream, parse_calls
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.prompt.tool_calls import CLOSE, OPEN, CallStream, parse_calls
+from gateway.tokens.tokenizer import GatewayTokenizer
 
 _COMPACT = {"whitespace_flexible": False}
 # How Qwen2.5's template writes a call, and Python's json.dumps (jinja's tojson) any JSON.
@@ -236,5 +236,5 @@ class ToolPlan:
                 "tool_calls": parsed.calls}, "tool_calls"
 
     def stream(self) -> CallStream:
-        """One streamed choice's deltas (gateway.output.tool_calls)."""
+        """One streamed choice's deltas (gateway.prompt.tool_calls)."""
         return CallStream(self.names)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol.messages import TokenizerInfo
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,8 +20,8 @@ from gateway.engine.registry import WorkerState
 from gateway.http.schemas import ChatCompletionRequest
 from gateway.output.generation import Generation
 from gateway.prompt.intake import ROUTES, EngineRequest
-from gateway.prompt.tokenizer import GatewayTokenizer
 from gateway.prompt.tools import ToolPlan
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 

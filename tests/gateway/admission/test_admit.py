@@ -19,7 +19,7 @@ from gateway.engine.engine_client import EngineClient
 from gateway.http.errors import APIError
 from gateway.http.schemas import GenerateRequest
 from gateway.prompt.intake import Draft, EngineRequest
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from gateway.api.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engine.on_demand import Claim, OnDemand
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
 

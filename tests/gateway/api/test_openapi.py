@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
 from gateway.http.errors import APIError
 from gateway.prompt.intake import Intake
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.engine.test_on_demand import FakeSpawner
 from tests.gateway.fake_engine import FakeEngine

@@ -41,7 +41,7 @@ from starlette.routing import Route
 import gateway
 from gateway.api.app import create_app
 from gateway.config import GatewayConfig
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
 
@@ -161,7 +161,7 @@ def test_one_chat_request_walks_the_gateway_one_way(smollm2_info: m.TokenizerInf
         assert {ROUTES_FILE, "prompt/intake.py", "admission/admit.py", "output/formatters.py",
                 "telemetry/accounting.py"} <= set(walk)
     # the thread's calls count
-    assert "engine/engine_client.py" in full and "prompt/tokenizer.py" in full
+    assert "engine/engine_client.py" in full and "tokens/tokenizer.py" in full
     returns = count_returns(route)
     assert returns <= MAX_RETURNS, f"{returns} returns: {' -> '.join(collapse(route))}"
     full_returns = count_returns(full)

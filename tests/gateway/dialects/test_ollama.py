@@ -13,7 +13,7 @@ from gateway.dialects.ollama_reply import OllamaFormatter
 from gateway.http.errors import APIError
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.prompt.intake import ROUTES
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import answered, streamed, whole
 

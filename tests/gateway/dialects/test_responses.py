@@ -21,7 +21,7 @@ from gateway.config import GatewayConfig
 from gateway.dialects.responses_reply import ResponsesFormatter
 from gateway.http.errors import APIError
 from gateway.prompt.intake import ROUTES
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine, answered, streamed, whole
 

@@ -12,7 +12,7 @@ import pytest
 from gateway.engine import hello as hello_module
 from gateway.engine.hello import Built, Vetted, vet_hello
 from gateway.engine.registry import Registry
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 from tests.e2e.link_peers import tiny_hello

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.output.detokenize import IncrementalDetokenizer
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.output.generation import ChoiceEvent
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import answered, streamed, whole
 

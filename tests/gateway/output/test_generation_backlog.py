@@ -11,7 +11,7 @@ from typing import Any
 
 from gateway.engine.engine_client import EngineClient
 from gateway.output.generation import ChoiceEvent, Generation
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
 

@@ -57,7 +57,7 @@ def test_an_unknown_parser_is_refused() -> None:
 def test_continue_final_message_cuts_at_the_message_not_at_a_lookalike_in_the_template() -> None:
     """The final text "end" is also the start of ChatML's own "<|im_end|>": the cut is where the
     message is, never inside the template's end of turn."""
-    from gateway.prompt.chat_template import ChatTemplate
+    from gateway.tokens.chat_template import ChatTemplate
 
     chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

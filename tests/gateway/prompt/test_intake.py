@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from gateway.admission.tenancy import cache_salt
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
 from gateway.http.errors import APIError
 from gateway.prompt.intake import Draft, EngineRequest, Intake
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.prompt.tenancy import cache_salt
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.fake_engine import FakeEngine
 

@@ -14,10 +14,10 @@ from tokenizers import AddedToken, Tokenizer
 
 from gateway.http.errors import APIError
 from gateway.http.schemas import ChatCompletionRequest
-from gateway.output.tool_calls import CLOSE, OPEN
 from gateway.prompt.structured import build_checked
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.prompt.tool_calls import CLOSE, OPEN
 from gateway.prompt.tools import ToolPlan, render_messages, template_messages, template_tools
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol.messages import TokenizerInfo
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},

@@ -13,7 +13,7 @@ serves all requests and threads.
 `<tool_call>` blocks (Qwen2.5, Qwen3, Hermes 2 Pro...). It is probed once, by rendering one user
 turn with and without a sample tool: the template must read `tools` (jinja2's AST), the sample's
 name must appear only when it is given, and the text must mention `<tool_call>`, the format
-gateway.output.tool_calls parses. A template that lists tools in some other format (Llama 3.1's bare
+gateway.prompt.tool_calls parses. A template that lists tools in some other format (Llama 3.1's bare
 JSON, Mistral's [TOOL_CALLS]) is treated as having no tools branch: gateway.prompt.tools' own prompt
 then serves it, in a format we can both ask for and parse.
 """
@@ -33,7 +33,7 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.utils
 
-from gateway.prompt.template_sandbox import BoundedSandbox
+from gateway.tokens.template_sandbox import BoundedSandbox
 
 log = logging.getLogger("kestrel.gateway")
 TOOL_CALL_TAG = "<tool_call>"

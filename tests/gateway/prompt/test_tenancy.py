@@ -1,10 +1,10 @@
-"""Tests for gateway/admission/tenancy.py and the router's salted prefix hashes: one prefix-cache
+"""Tests for gateway/prompt/tenancy.py and the router's salted prefix hashes: one prefix-cache
 tenant per API key (and per request salt), the shared cache only with neither."""
 
 from __future__ import annotations
 
 from common.block_hash import block_hashes
-from gateway.admission.tenancy import cache_salt
+from gateway.prompt.tenancy import cache_salt
 
 
 def test_each_key_and_each_request_salt_is_its_own_tenant() -> None:

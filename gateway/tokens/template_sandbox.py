@@ -1,7 +1,7 @@
 """The sandbox a chat template runs in, with bounds on what one of its operations may build.
 
 A chat template is code from the model's files (a worker's Hello). jinja's sandbox keeps it
-away from Python's internals, and the render's trace function (gateway.prompt.chat_template) stops a
+away from Python's internals, and the render's trace function (gateway.tokens.chat_template) stops a
 loop at its deadline, but one operation is one bytecode step: `10 ** 2500000` holds the GIL for
 over a second, `'x' * 10**9` allocates a gigabyte, and jinja folds a constant `10 ** 12000000`
 while it compiles the template, before any render has a deadline. So every operation that can

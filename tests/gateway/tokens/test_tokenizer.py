@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.prompt.tokenizer import MAX_TEMPLATE_CHARS, ChatTemplateError, GatewayTokenizer
+from gateway.tokens.tokenizer import MAX_TEMPLATE_CHARS, ChatTemplateError, GatewayTokenizer
 from protocol.messages import TokenizerInfo
 
 CONVERSATIONS: dict[str, list[dict[str, Any]]] = {

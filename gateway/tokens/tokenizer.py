@@ -14,7 +14,7 @@ threads: the Rust `tokenizers.Tokenizer` is safe to call concurrently as long as
 truncation/padding settings (we never do), and a compiled jinja2 template renders reentrantly.
 Encoding a long prompt is CPU work; callers run it in a worker thread, off the event loop.
 
-The chat template (gateway.prompt.chat_template) is rendered the way transformers renders it, so the
+The chat template (gateway.tokens.chat_template) is rendered the way transformers renders it, so the
 prompt text is byte-for-byte what the model was trained and evaluated with; `native_tools` says
 whether it lays out a request's tools itself (gateway.prompt.tools then passes them through).
 """
@@ -32,7 +32,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer
 
-from gateway.prompt.chat_template import (  # noqa: F401 - the errors are this module's API too
+from gateway.tokens.chat_template import (  # noqa: F401 - the errors are this module's API too
     ChatTemplate,
     ChatTemplateError,
     RenderedPromptTooLong,

@@ -1,4 +1,4 @@
-"""Chat-template rendering is bounded in size and time (gateway/prompt/tokenizer.py).
+"""Chat-template rendering is bounded in size and time (gateway/tokens/tokenizer.py).
 
 max_prompt_chars counts only the messages' own text: 20,000 assistant messages with null content
 count 0 characters (the gateway passes them as "") but render as 20,000 copies of the template's
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gateway.prompt.tokenizer import ChatTemplateError, GatewayTokenizer, RenderedPromptTooLong
+from gateway.tokens.tokenizer import ChatTemplateError, GatewayTokenizer, RenderedPromptTooLong
 from protocol.messages import TokenizerInfo
 
 NULLS = [{"role": "user", "content": "x"}] + [{"role": "assistant", "content": ""}] * 20_000

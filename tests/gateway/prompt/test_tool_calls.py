@@ -1,4 +1,4 @@
-"""gateway/output/tool_calls.py: `<tool_call>` blocks (and bare JSON calls) read from a whole output
+"""gateway/prompt/tool_calls.py: `<tool_call>` blocks (and bare JSON calls) read from a whole output
 and from a stream split anywhere; the stream says what the whole output says, and never leaks
 tags."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.output.tool_calls import CallStream, call_deltas, parse_calls
+from gateway.prompt.tool_calls import CallStream, call_deltas, parse_calls
 
 NAMES = {"get_weather", "get_time"}
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

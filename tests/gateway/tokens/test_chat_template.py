@@ -1,4 +1,4 @@
-"""gateway/prompt/chat_template.py: which templates lay out tools themselves (`native_tools`), and a
+"""gateway/tokens/chat_template.py: which templates lay out tools themselves (`native_tools`), and a
 conversation with tools, calls and results rendered through Qwen2.5's template exactly as
 transformers renders it.
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from gateway.prompt.chat_template import ChatTemplate
-from gateway.prompt.tokenizer import GatewayTokenizer
+from gateway.tokens.chat_template import ChatTemplate
+from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol.messages import TokenizerInfo
 
 QWEN = (Path(__file__).parents[2] / "data" / "qwen2.5_chat_template.jinja").read_text("utf-8")

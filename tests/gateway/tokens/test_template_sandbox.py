@@ -1,5 +1,5 @@
 """Issue 42: a chat template's arithmetic is bounded before it runs
-(gateway/prompt/template_sandbox.py).
+(gateway/tokens/template_sandbox.py).
 
 One jinja operation is one bytecode step: `10 ** 2500000` held the GIL for 1.2 s inside a
 render (its 2 s timeout never fired), `'x' * n` allocated 879 MB, and jinja folded a constant
@@ -14,8 +14,8 @@ import tracemalloc
 
 import pytest
 
-from gateway.prompt.chat_template import ChatTemplate, ChatTemplateError
-from gateway.prompt.template_sandbox import MAX_CHARS, MAX_INT_BITS, MAX_WIDTH
+from gateway.tokens.chat_template import ChatTemplate, ChatTemplateError
+from gateway.tokens.template_sandbox import MAX_CHARS, MAX_INT_BITS, MAX_WIDTH
 
 BOOM = [{"role": "user", "content": "boom"}]  # 4 characters: the templates scale by it
 
