@@ -27,7 +27,7 @@ from gateway.admission.queue import Admissions, QueueClosed, Rejected, Slot, Tic
 from gateway.config import GatewayConfig
 from gateway.engine.engine_client import EngineClient
 from gateway.http.errors import APIError, too_many_requests
-from gateway.prompt.intake import ROUTES, Draft, EngineRequest
+from gateway.prompt.intake import Draft, EngineRequest
 
 
 class Admitter:
@@ -74,7 +74,7 @@ class Admitter:
         entry = registry.model(body.model) if body.model else next(iter(registry.models.values()),
                                                                      None)
         asked = body.requested_max_tokens()
-        route = ROUTES[draft.route]
+        route = draft.route
         most = entry.hello.max_model_len if entry is not None else 1
         tokens = (asked or min(route.default_max_tokens or most, self.cfg.max_tokens_cap, most)
                   if route.generates else 0)  # embeddings: the prompt is all their work

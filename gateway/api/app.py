@@ -1,10 +1,11 @@
 """The gateway's Starlette app: routes, lifespan, health, models and metrics.
 
     lifespan: bind the engine link (workers connect and say Hello) ... on exit, close it.
-    /v1/completions, /v1/chat/completions, /v1/embeddings,
-    /v1/generate[/stream], /v1/responses, /v1/messages, /api/chat,
-    /api/generate                                                   -> gateway.api.exchange
-    /tokenize, /detokenize                                          -> gateway.api.tokenize_routes
+    each dialect record's endpoints (gateway.dialects.served: /v1/completions,
+    /v1/chat/completions, /v1/embeddings, /v1/generate[/stream], /v1/responses, /v1/messages,
+    /api/chat, /api/generate)                                       -> gateway.api.exchange
+    and its side routes (Ollama's /api/tags, /api/ps, /api/show, /api/version)
+    /tokenize, /detokenize, /v1/messages/count_tokens               -> gateway.api.tokenize_routes
     /v1/models, /health, /health/live, /health/ready, /metrics (and /v1/metrics), /openapi.json
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
 from starlette.applications import Starlette
@@ -24,7 +25,8 @@ from gateway.api import tokenize_routes
 from gateway.api.exchange import answer
 from gateway.api.openapi import OpenAPIDocument, server_figures
 from gateway.config import GatewayConfig
-from gateway.dialects import ollama_info
+from gateway.dialects.record import Dialect
+from gateway.dialects.served import DIALECTS
 from gateway.engine.on_demand import OnDemand, Spawner
 from gateway.http import errors
 from gateway.http.body import read_json
@@ -33,21 +35,16 @@ from gateway.http.schemas import ModelRequest
 from gateway.offload import LoopLag
 from gateway.service import GatewayState
 
-# The engine's routes, by path: each one Exchange (gateway.api.exchange), told its route's name.
-ENGINE_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-                 "/v1/embeddings": "embeddings", "/v1/generate": "generate",
-                 "/v1/generate/stream": "generate_stream", "/v1/responses": "responses",
-                 "/v1/messages": "messages",
-                 "/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
-
-
 # The one rule (issue 54): every route is behind the API key (when keys are set) and the rate
 # limit (auth.guard; auth.guard_keyed where a route only informs), but these liveness probes,
 # which say nothing of the models or the load. /health and /metrics: open with --open-metrics.
 PROBES = ("/health/live", "/health/ready", "/api/version")
 
 
-def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
+def create_app(cfg: GatewayConfig, spawner: Spawner | None = None,
+               dialects: Sequence[Dialect] = DIALECTS) -> Starlette:
+    """The app serving `dialects` (each engine route one Exchange, told its record) beside the
+    server's own routes."""
     state = GatewayState(cfg, spawner)
 
     @contextlib.asynccontextmanager
@@ -69,17 +66,15 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
                 state.accounting.tracer.shutdown()  # flush the last spans
 
     app = Starlette(routes=[
-        *(Route(path, partial(answer, route=name), methods=["POST"])
-          for path, name in ENGINE_ROUTES.items()),
+        *(Route(endpoint.path, partial(answer, endpoint=endpoint), methods=["POST"])
+          for dialect in dialects for endpoint in dialect.endpoints),
+        *(Route(side.path, side.handler, methods=[side.method])
+          for dialect in dialects for side in dialect.side_routes),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/models/load", load_model, methods=["POST"]),
         Route("/models/unload", unload_model, methods=["POST"]),
         Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
         Route("/v1/messages/count_tokens", tokenize_routes.count_tokens, methods=["POST"]),
-        Route("/api/tags", ollama_info.tags, methods=["GET"]),
-        Route("/api/ps", ollama_info.ps, methods=["GET"]),
-        Route("/api/show", ollama_info.show, methods=["POST"]),
-        Route("/api/version", ollama_info.version, methods=["GET"]),
         Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
@@ -90,7 +85,7 @@ def create_app(cfg: GatewayConfig, spawner: Spawner | None = None) -> Starlette:
     ], lifespan=lifespan)
     app.state.gateway = state
     # the served models' figures added per request; /models/(un)load only where they are served
-    app.state.openapi = OpenAPIDocument(on_demand=state.models_on_demand is not None)
+    app.state.openapi = OpenAPIDocument(dialects, on_demand=state.models_on_demand is not None)
     state.http_in_flight = errors.install(app)
     return app
 

@@ -29,30 +29,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from gateway.admission.queue import Served, Slot, Ticket
-from gateway.dialects.anthropic_reply import MessagesFormatter
-from gateway.dialects.ollama_reply import OllamaFormatter, OllamaGenerateFormatter
-from gateway.dialects.responses_reply import ResponsesFormatter
+from gateway.dialects.record import Endpoint
 from gateway.engine.engine_client import NoWorkerError
 from gateway.engine.on_demand import Claim
 from gateway.http.errors import APIError
 from gateway.http.streaming import ClientGone, SSEResponse, unless_gone
-from gateway.output.formatters import FORMATTERS as OPENAI_FORMATTERS
 from gateway.output.formatters import Formatter
 from gateway.output.generation import EngineFailure, Generation
 from gateway.prompt.intake import Draft, EngineRequest
 from gateway.service import GatewayState
 
 log = logging.getLogger("kestrel.gateway")
-# How each route renders its answer and its errors: OpenAI's, the native API's, OpenAI's
-# Responses, Anthropic's, Ollama's.
-FORMATTERS = {**OPENAI_FORMATTERS, "responses": ResponsesFormatter, "messages": MessagesFormatter,
-              "ollama_chat": OllamaFormatter, "ollama_generate": OllamaGenerateFormatter}
 
 
-async def answer(request: Request, route: str) -> Response:
-    """The handler of every engine route (gateway.api.app mounts it once per route name): one
-    Exchange, closed here, or by its stream when a stream took it over."""
-    exchange = Exchange(request.app.state.gateway, request, route)
+async def answer(request: Request, endpoint: Endpoint) -> Response:
+    """The handler of every engine route (gateway.api.app mounts it once per dialect record's
+    endpoint): one Exchange, closed here, or by its stream when a stream took it over."""
+    exchange = Exchange(request.app.state.gateway, request, endpoint)
     try:
         return await exchange.run()
     finally:
@@ -65,8 +58,10 @@ class Exchange:
     """A request and everything it holds: its ticket, then its slot and generation; its outcome
     (status, finish) and its one accounting record."""
 
-    def __init__(self, state: GatewayState, request: Request, route: str) -> None:
-        self.state, self.request, self.route = state, request, route
+    def __init__(self, state: GatewayState, request: Request, endpoint: Endpoint) -> None:
+        self.state, self.request, self.endpoint = state, request, endpoint
+        self.route = endpoint.route.name  # its metrics' and log line's label
+        self.shape = endpoint.formatter  # its answer's, its stream's and its errors' shapes
         self.arrival = time.monotonic()
         self.request_id: str = request.state.request_id  # set by errors.CatchAll
         self.headers = {"X-Request-ID": self.request_id}
@@ -89,7 +84,7 @@ class Exchange:
             return Response(status_code=499)
         except (APIError, EngineFailure) as exc:
             self.status = exc.status
-            status, body = FORMATTERS[self.route].error_shape(
+            status, body = self.shape.error_shape(
                 exc.status, exc.message, getattr(exc, "param", None), exc.code)
             return JSONResponse(body, status, {**getattr(exc, "headers", {}), **self.headers})
         except Exception:  # a bug: errors.CatchAll logs it and answers 500
@@ -102,7 +97,7 @@ class Exchange:
         client = state.auth.client(request, key)
         state.admit.precheck()  # a 429 costs no body read, no tokenizing, no thread
         with state.heavy.hold(request, client):  # a large body: 429?
-            draft = await state.intake.read(self.route, request, self.arrival)
+            draft = await state.intake.read(self.endpoint.route, request, self.arrival)
             pool = state.models_on_demand
             if pool is not None:  # --models-dir: a claim on its model until it has its place
                 self.claim = pool.claim(draft.body.model, draft.deadline)
@@ -176,7 +171,7 @@ class Exchange:
     async def _collect(self) -> Response:
         gen, req = self.gen, self.req
         assert req is not None and gen is not None
-        result = await unless_gone(self.request.receive, FORMATTERS[self.route](req, gen).collect())
+        result = await unless_gone(self.request.receive, self.shape(req, gen).collect())
         if gen.timed_out:
             self.finish = "timeout"
             raise APIError(504, "the request's deadline passed before it finished",
@@ -194,14 +189,14 @@ class Exchange:
             self.finish = "aborted"
             await self.release()
 
-        shape = FORMATTERS[self.route]
+        shape = self.shape
         return SSEResponse(self._events(opening), on_disconnect, self.headers, deadline=deadline,
                            keepalive_s=self.state.cfg.sse_keepalive_s,
                            send_timeout_s=self.state.cfg.send_timeout_s,
                            media_type=shape.media_type, keepalive=shape.keepalive)
 
     async def _events(self, opening: Awaitable[None] | None) -> AsyncIterator[bytes]:
-        shape = FORMATTERS[self.route]  # the dialect: its framing and its error events
+        shape = self.shape  # the dialect: its framing and its error events
         fmt: Formatter | None = None  # its error events, once it is built
         try:
             if opening is not None:

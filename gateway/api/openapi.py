@@ -1,9 +1,11 @@
 """`/openapi.json`: the gateway's OpenAPI 3.1 description, built from the pydantic request
-schemas (gateway.http.schemas, through the routes' formatters), so it cannot drift from what the
-routes validate, and completed per request with what only the running server knows.
+schemas (gateway.http.schemas, and the dialects'), so it cannot drift from what the routes
+validate, and completed per request with what only the running server knows.
 
-    ROUTES (path, method, request model or None, summary) ──pydantic models_json_schema──▶
-        components.schemas + one operation per route, each with its error responses  (once)
+    the dialect records the app serves (gateway.dialects.served: each endpoint's path, schema,
+    formatter and summary; each side route's) + the server's own ROUTES (path, method, request
+    model or None, summary) ──pydantic models_json_schema──▶ components.schemas + one operation
+    per route, each with its error responses, in its dialect's shape  (once)
     server_figures(config, registry): the served model names, their vocabulary and context,
         the configured limits ──with_figures──▶ each `server_bound` of a field filled in
         (per request; rendered again only when a figure changed: a model joined or left)
@@ -25,17 +27,19 @@ answer 404, which a document naming them would contradict.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.config import GatewayConfig
-from gateway.dialects.anthropic import CountTokensRequest
+from gateway.dialects import anthropic
+from gateway.dialects.record import Dialect
+from gateway.dialects.served import DIALECTS
 from gateway.engine.on_demand import STATUSES
 from gateway.engine.registry import Registry
 from gateway.http.schemas import SERVER_BOUND, DetokenizeRequest, ModelRequest, TokenizeRequest
-from gateway.prompt.intake import ROUTES as INTAKE_ROUTES
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -46,14 +50,6 @@ ERROR = {
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}},
 }
-ANTHROPIC_ERROR = {  # the Messages routes' errors (gateway.dialects.anthropic)
-    "type": "object", "required": ["type", "error"],
-    "properties": {"type": {"const": "error"}, "error": {
-        "type": "object", "required": ["type", "message"],
-        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
-}
-OLLAMA_ERROR = {"type": "object", "required": ["error"],  # Ollama's routes' (gateway.dialects)
-                "properties": {"error": {"type": "string"}}}
 # Statuses any route may answer (besides its own 200), and what they mean here.
 COMMON_ERRORS = {"401": "a valid API key is required", "429": "rate limited, or the queue is "
                  "full or too slow for the request's deadline (see Retry-After)",
@@ -67,42 +63,22 @@ DESCRIPTION = ("The bounds that depend on this server (the served models' names,
                "context, its configured limits) are the ones in force when this document is "
                "fetched.")
 
-# path, method, request model (or None), summary, streams
-ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
-    ("/v1/completions", "post", INTAKE_ROUTES["completions"].schema,
-     "OpenAI text completion (stream: true for SSE)", True),
-    ("/v1/chat/completions", "post", INTAKE_ROUTES["chat"].schema,
-     "OpenAI chat completion (stream: true for SSE)", True),
-    ("/v1/embeddings", "post", INTAKE_ROUTES["embeddings"].schema,
-     "OpenAI embeddings: each input's pooled, normalised last hidden states", False),
-    ("/v1/generate", "post", INTAKE_ROUTES["generate"].schema, "native generation", False),
-    ("/v1/generate/stream", "post", INTAKE_ROUTES["generate_stream"].schema,
-     "native generation, streamed as SSE", True),
-    ("/v1/responses", "post", INTAKE_ROUTES["responses"].schema,
-     "OpenAI's Responses API (stream: true for its SSE events); nothing is kept: "
-     "previous_response_id is refused", True),
-    ("/v1/messages", "post", INTAKE_ROUTES["messages"].schema,
-     "Anthropic's Messages API (stream: true for its SSE events)", True),
-    ("/v1/messages/count_tokens", "post", CountTokensRequest,
-     "Anthropic's token count of a Messages request", False),
-    ("/api/chat", "post", INTAKE_ROUTES["ollama_chat"].schema,
-     "Ollama's chat (streamed as JSON lines unless stream: false)", True),
-    ("/api/generate", "post", INTAKE_ROUTES["ollama_generate"].schema,
-     "Ollama's generate (streamed as JSON lines unless stream: false)", True),
-    ("/api/tags", "get", None, "Ollama's list of the models this server can serve", False),
-    ("/api/ps", "get", None, "Ollama's list of the models loaded now", False),
-    ("/api/version", "get", None, "the Ollama API version this server speaks", False),
-    ("/tokenize", "post", TokenizeRequest, "a prompt's or a chat's token ids (vLLM's shape)",
-     False),
-    ("/detokenize", "post", DetokenizeRequest, "the text of token ids (vLLM's shape)", False),
-    ("/v1/models", "get", None, "the models the ready workers serve", False),
-    ("/health", "get", None, "status, workers and queue (503 when not ready)", False),
-    ("/health/live", "get", None, "the process answers", False),
-    ("/health/ready", "get", None, "ready for work (503 otherwise)", False),
-    ("/metrics", "get", None, "Prometheus metrics", False),
-    ("/v1/metrics", "get", None, "Prometheus metrics", False),
-    ("/openapi.json", "get", None, "this document", False),
+# The server's own routes (the dialects' come from their records): path, method, request model
+# (or None), summary.
+ROUTES: list[tuple[str, str, type[BaseModel] | None, str]] = [
+    ("/tokenize", "post", TokenizeRequest, "a prompt's or a chat's token ids (vLLM's shape)"),
+    ("/detokenize", "post", DetokenizeRequest, "the text of token ids (vLLM's shape)"),
+    ("/v1/models", "get", None, "the models the ready workers serve"),
+    ("/health", "get", None, "status, workers and queue (503 when not ready)"),
+    ("/health/live", "get", None, "the process answers"),
+    ("/health/ready", "get", None, "ready for work (503 otherwise)"),
+    ("/metrics", "get", None, "Prometheus metrics"),
+    ("/v1/metrics", "get", None, "Prometheus metrics"),
+    ("/openapi.json", "get", None, "this document"),
 ]
+# Anthropic's token count (gateway.api.tokenize_routes), in the Messages API's error shape
+COUNT_TOKENS = ("/v1/messages/count_tokens", anthropic.CountTokensRequest,
+                "Anthropic's token count of a Messages request")
 # `kestrel serve --models-dir` only (gateway.api.app), each with the statuses it answers besides
 # 200: the key and the rate limit (Auth.guard), the body as read_json reads it, and its own.
 MODEL_STATUS = {"type": "object", "required": ["model", "status"],
@@ -127,19 +103,38 @@ def _error(text: str, shape: str = "Error") -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": REF.format(model=shape)}}}}
 
 
-def build_openapi(title: str = "kestrel", version: str = "0.1.0",
-                  on_demand: bool = False) -> dict[str, Any]:
-    """The document; `on_demand`: with the routes that load and unload models by hand."""
-    models = [(model, "validation") for _, _, model, _, _ in ROUTES if model is not None]
-    if on_demand:
-        models.append((ModelRequest, "validation"))
+def build_openapi(title: str = "kestrel", version: str = "0.1.0", on_demand: bool = False,
+                  dialects: Sequence[Dialect] = DIALECTS) -> dict[str, Any]:
+    """The document of the server serving `dialects`; `on_demand`: with the routes that load
+    and unload models by hand."""
+    endpoints = [(dialect, e) for dialect in dialects for e in dialect.endpoints]
+    models = [(model, "validation") for model in (
+        *(e.route.schema for _, e in endpoints), COUNT_TOKENS[1],
+        *(model for _, _, model, _ in ROUTES if model is not None),
+        *((ModelRequest,) if on_demand else ()))]
     names, defs = models_json_schema(models, ref_template=REF)
     schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": ERROR,
-                               "AnthropicError": ANTHROPIC_ERROR, "OllamaError": OLLAMA_ERROR}
+                               "AnthropicError": anthropic.ERROR_SCHEMA}
+    schemas.update(dialect.error_schema for dialect in dialects if dialect.error_schema)
     paths: dict[str, Any] = {}
-    for path, method, model, summary, streams in ROUTES:
+    for dialect, e in endpoints:
+        shape, fmt = _shape(dialect), e.formatter
+        paths[e.path] = {"post": _operation(
+            e.path, "post", names[(e.route.schema, "validation")], e.summary,
+            None if e.route.stream is False else fmt.media_type.split(";")[0], shape,
+            lambda status, fmt=fmt: fmt.error_shape(status, "", None, None)[0])}
+    for dialect in dialects:
+        for side in dialect.side_routes:
+            if side.summary is not None:
+                method = side.method.lower()
+                paths[side.path] = {method: _operation(side.path, method, None, side.summary,
+                                                       None, _shape(dialect))}
+    path, model, summary = COUNT_TOKENS
+    paths[path] = {"post": _operation(path, "post", names[(model, "validation")], summary, None,
+                                      "AnthropicError", anthropic.error_status)}
+    for path, method, model, summary in ROUTES:
         schema = None if model is None else names[(model, "validation")]
-        paths.setdefault(path, {})[method] = _operation(path, method, schema, summary, streams)
+        paths.setdefault(path, {})[method] = _operation(path, method, schema, summary, None)
     if on_demand:
         schemas["ModelStatus"] = MODEL_STATUS
         for path, summary, errors in MODEL_ROUTES:
@@ -152,16 +147,22 @@ def build_openapi(title: str = "kestrel", version: str = "0.1.0",
                                                "type": "http", "scheme": "bearer"}}}}
 
 
+def _shape(dialect: Dialect) -> str:
+    """The name of the dialect's error body in the document."""
+    return dialect.error_schema[0] if dialect.error_schema else "Error"
+
+
 def _operation(path: str, method: str, schema: dict[str, Any] | None, summary: str,
-               streams: bool) -> dict[str, Any]:
-    """One route of ROUTES: its request body's schema (None: no body), its answers."""
+               stream: str | None, shape: str = "Error",
+               status_of: Callable[[int], int] = lambda status: status) -> dict[str, Any]:
+    """One route: its request body's schema (None: no body), its answers: JSON, and `stream`
+    (a media type) where it may stream; errors in `shape`, each status the route answers
+    (`status_of`: the status it answers for the gateway's, as its dialect maps them)."""
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if path.endswith("metrics"):
         ok = {"text/plain": {"schema": {"type": "string"}}}
-    if streams:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
-    shape = ("AnthropicError" if path.startswith("/v1/messages") else
-             "OllamaError" if path.startswith("/api/") else "Error")
+    if stream is not None:
+        ok[stream] = {"schema": {"type": "string"}}
     op: dict[str, Any] = {
         "summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}",
         "responses": {"200": {"description": "OK", "content": ok},
@@ -170,10 +171,7 @@ def _operation(path: str, method: str, schema: dict[str, Any] | None, summary: s
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": schema}}}
         op["responses"].update({code: _error(text, shape) for code, text in
-                                GENERATION_ERRORS.items()
-                                if not (shape == "AnthropicError" and code == "422")})
-    if streams and shape == "OllamaError":
-        ok["application/x-ndjson"] = ok.pop("text/event-stream")
+                                GENERATION_ERRORS.items() if status_of(int(code)) == int(code)})
     return op
 
 
@@ -248,9 +246,9 @@ def with_figures(node: Any, figures: dict[str, Any]) -> Any:
 class OpenAPIDocument:
     """The document's schemas built once; its body rendered again when a figure changes."""
 
-    def __init__(self, title: str = "kestrel", version: str = "0.1.0",
-                 on_demand: bool = False) -> None:
-        self.base = build_openapi(title, version, on_demand)
+    def __init__(self, dialects: Sequence[Dialect] = DIALECTS, title: str = "kestrel",
+                 version: str = "0.1.0", on_demand: bool = False) -> None:
+        self.base = build_openapi(title, version, on_demand, dialects)
         self._figures: dict[str, Any] | None = None
         self._body = b""
 

@@ -44,6 +44,15 @@ def error_body(status: int, message: str) -> dict[str, Any]:
             "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
+# That error body's JSON schema, as /openapi.json states it (gateway.dialects.served's record).
+ERROR_SCHEMA = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+
+
 def error_status(status: int) -> int:
     """Anthropic answers a body that does not validate with 400, where OpenAI's routes say 422."""
     return 400 if status == 422 else status

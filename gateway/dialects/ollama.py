@@ -40,6 +40,11 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": message}
 
 
+# That error body's JSON schema, as /openapi.json states it (gateway.dialects.served's record).
+ERROR_SCHEMA = {"type": "object", "required": ["error"],
+                "properties": {"error": {"type": "string"}}}
+
+
 class OllamaOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -1,6 +1,7 @@
 """How each route renders ChoiceEvents as OpenAI's (or our native) JSON shapes. No I/O, no
 request intake (gateway.prompt.intake): a formatter is built, complete, once its request has a
-Generation, and `routes` feeds it events.
+Generation, and its exchange (gateway.api.exchange) feeds it events. Which route renders with
+which formatter is its record's say (gateway.dialects.served).
 
 Streamed and non-streamed answers are built from the same ChoiceEvents, so the joined text of a
 stream equals the text of the non-streamed answer for the same request.
@@ -319,11 +320,3 @@ class EmbeddingFormatter(Formatter):
     def stream_event(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         raise NotImplementedError("embeddings are not streamed")
 
-
-FORMATTERS: dict[str, type[Formatter]] = {
-    "embeddings": EmbeddingFormatter,
-    "completions": CompletionFormatter,
-    "chat": ChatFormatter,
-    "generate": NativeFormatter,
-    "generate_stream": NativeFormatter,
-}

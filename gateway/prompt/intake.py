@@ -19,23 +19,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from gateway import offload
 from gateway.config import GatewayConfig
-from gateway.dialects import anthropic, ollama, responses
 from gateway.engine.engine_client import EngineClient, ModelEntry
 from gateway.http.body import Readers, read_json
 from gateway.http.errors import APIError, too_many_requests, validated
 from gateway.http.schemas import (
     ChatCompletionRequest,
-    CompletionRequest,
     EmbeddingRequest,
-    GenerateRequest,
-    RequestBase,
     RequestLimitError,
     check_limits,
 )
@@ -50,40 +46,27 @@ Encode = Callable[[GatewayTokenizer], list[int]]  # runs in a thread: a long pro
 
 @dataclass(frozen=True)
 class Route:
-    schema: type[RequestBase]
+    """How intake reads one engine route's body: the reading part of the route's one record
+    (gateway.dialects.record), handed to `read` by the route's exchange."""
+
+    name: str  # the route's name: its metrics' and its log line's label
+    schema: type[BaseModel]  # what its body is validated as (and /openapi.json documents)
     # max_tokens when a request sets none, within the cap: OpenAI's 16 for completions; None:
     # the rest of the context (a chat runs to its stop, as vLLM's does). Never cut to fit an
     # estimate: a deadline is met by refusing at once, not by a shorter answer.
     default_max_tokens: int | None = 16
     stream: bool | None = None  # None: the body's own `stream`
     generates: bool = True  # False: its prompt is all its work (embeddings)
-    # Another dialect's body (gateway.dialects): validated in its own terms (`schema`, which
-    # /openapi.json documents) and returned as the chat request it asks for.
+    # Another dialect's body (gateway.dialects): validated in its own terms (`schema`) and
+    # returned as the request it asks for (a chat or a completion request).
     parse: Callable[[Any], Any] | None = None
-
-
-ROUTES: dict[str, Route] = {
-    "completions": Route(CompletionRequest),
-    "chat": Route(ChatCompletionRequest, default_max_tokens=None),
-    "generate": Route(GenerateRequest, stream=False),
-    "generate_stream": Route(GenerateRequest, stream=True),
-    "embeddings": Route(EmbeddingRequest, stream=False, generates=False),
-    "responses": Route(responses.ResponsesRequest, default_max_tokens=None,
-                       parse=responses.parse),
-    "messages": Route(anthropic.MessagesRequest, default_max_tokens=None,
-                      parse=partial(anthropic.parse, anthropic.MessagesRequest)),
-    "ollama_chat": Route(ollama.OllamaChatRequest, default_max_tokens=None,
-                         parse=ollama.parse_chat),
-    "ollama_generate": Route(ollama.OllamaGenerateRequest, default_max_tokens=None,
-                             parse=ollama.parse_generate),
-}
 
 
 @dataclass(frozen=True)
 class Draft:
     """A valid body and its deadline: enough to take a place in the queue."""
 
-    route: str
+    route: Route  # the way it came in
     body: Any  # the route's schema, a RequestBase
     arrival: float  # monotonic
     deadline: float | None  # monotonic; None: none
@@ -96,7 +79,7 @@ class Draft:
 class EngineRequest:
     """What the engine is asked, and what the response is rendered from."""
 
-    route: str
+    route: str  # its route's name
     body: Any  # the body as the formatter reads it (a one-prompt batch is unwrapped)
     arrival: float  # monotonic
     deadline: float | None  # monotonic; None: none
@@ -119,7 +102,7 @@ class EngineRequest:
         return bool(self.input_lengths)
 
 
-def parse_body(schema: type[RequestBase], data: Any) -> Any:
+def parse_body(schema: type[BaseModel], data: Any) -> Any:
     """An OpenAI route's body (a dialect's goes through its own `parse`)."""
     return validated(schema, data)
 
@@ -131,12 +114,11 @@ class Intake:
         self.rendered_prompt_limit = cfg.rendered_prompt_limit
         self.readers = Readers()  # the bodies being read: ended with a 503 at SIGTERM
 
-    async def read(self, route: str, request: Request, arrival: float) -> Draft:
+    async def read(self, route: Route, request: Request, arrival: float) -> Draft:
         data = await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s,
                                self.readers)
-        spec = ROUTES[route]
-        body = spec.parse(data) if spec.parse else parse_body(spec.schema, data)
-        stream = bool(body.stream) if spec.stream is None else spec.stream
+        body = route.parse(data) if route.parse else parse_body(route.schema, data)
+        stream = bool(body.stream) if route.stream is None else route.stream
         address = request.client.host if request.client else ""
         return Draft(route, body, arrival, self.deadline(arrival, body.timeout), stream, address,
                      prompt_chars(body))
@@ -150,7 +132,7 @@ class Intake:
         return arrival + (min(timeout, cfg.max_timeout_s) if cfg.max_timeout_s > 0 else timeout)
 
     async def prepare(self, draft: Draft, key: str | None) -> EngineRequest:
-        if not ROUTES[draft.route].generates:
+        if not draft.route.generates:
             return await self.prepare_embeddings(draft)
         cfg = self.cfg
         model = self.model(draft.body.model)
@@ -186,16 +168,16 @@ class Intake:
             if listed and max(listed) >= vocab:
                 raise APIError(400, f"{param} token ids must be below the vocabulary size "
                                f"({vocab})", param=param, code="invalid_token_ids")
-        params = self.sampling(model, len(ids), max_tokens, ROUTES[draft.route].default_max_tokens,
+        params = self.sampling(model, len(ids), max_tokens, draft.route.default_max_tokens,
                                **fields)
         if params.min_tokens > params.max_tokens:
             raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens "
                            f"({params.max_tokens})", param="min_tokens", code="invalid_value")
-        return EngineRequest(draft.route, body, draft.arrival, draft.deadline, draft.stream,
+        return EngineRequest(draft.route.name, body, draft.arrival, draft.deadline, draft.stream,
                              model, ids, params, stop, grammar, cache_salt(key, body.cache_salt),
                              tool_plan, getattr(body, "skip_special_tokens", True),
                              getattr(body, "include_stop_str_in_output", False),
-                             reasoning_parser(cfg.reasoning_parser, draft.route, grammar))
+                             reasoning_parser(cfg.reasoning_parser, draft.route.name, grammar))
 
     async def prepare_embeddings(self, draft: Draft) -> EngineRequest:
         """An embedding request's inputs as tokens, each checked against the model's context
@@ -237,7 +219,7 @@ class Intake:
                 raise APIError(400, f"token ids must be below the vocabulary size ({vocab})",
                                param="input", code="invalid_token_ids")
         params = m.SamplingParams(max_tokens=1, n=len(batch), speculative=False)
-        return EngineRequest(draft.route, body, draft.arrival, draft.deadline, False, model,
+        return EngineRequest(draft.route.name, body, draft.arrival, draft.deadline, False, model,
                              [t for ids in batch for t in ids], params, [],
                              input_lengths=[len(ids) for ids in batch])
 

@@ -14,16 +14,22 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.api.exchange import FORMATTERS
+from gateway.dialects.served import DIALECTS
 from gateway.engine.engine_client import EngineClient
 from gateway.engine.registry import WorkerState
 from gateway.http.schemas import ChatCompletionRequest
 from gateway.output.generation import Generation
-from gateway.prompt.intake import ROUTES, EngineRequest
+from gateway.prompt.intake import EngineRequest
 from gateway.prompt.tools import ToolPlan
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
+
+# Every engine route's one record (gateway.dialects.served), and intake's part of it, by the
+# route's name.
+ENDPOINTS = {endpoint.route.name: endpoint for dialect in DIALECTS
+             for endpoint in dialect.endpoints}
+ROUTES = {name: endpoint.route for name, endpoint in ENDPOINTS.items()}
 
 
 class LoopbackLink:
@@ -114,7 +120,7 @@ def answered(route: str, body: dict[str, Any], info: m.TokenizerInfo, tok: Gatew
         events = [event async for event in gen.events()]
         assert engine.sent and isinstance(engine.sent[0], m.Generate)
         client.link.close()
-        return FORMATTERS[route](req, gen), events
+        return ENDPOINTS[route].formatter(req, gen), events
 
     return asyncio.run(go())
 

@@ -22,7 +22,7 @@ from gateway.prompt.intake import Draft, EngineRequest
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import codec
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import ROUTES, FakeEngine
 
 
 class Setup:
@@ -49,7 +49,7 @@ class Setup:
         req = req or self.request()
         body = GenerateRequest(prompt="x" * len(req.prompt_ids),
                                max_new_tokens=req.params.max_tokens)
-        return self.admit.reserve(Draft(req.route, body, req.arrival, req.deadline, False,
+        return self.admit.reserve(Draft(ROUTES[req.route], body, req.arrival, req.deadline, False,
                                         prompt_chars=len(req.prompt_ids)))
 
     def rejected(self, reason: str) -> float:

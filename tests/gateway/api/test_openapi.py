@@ -26,7 +26,7 @@ from gateway.prompt.intake import Intake
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
 from tests.gateway.engine.test_on_demand import FakeSpawner
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import ROUTES, FakeEngine
 from tests.gateway.prompt.test_intake import http_request
 
 CFG = GatewayConfig(max_prompt_chars=1000, max_tokens_cap=100, default_timeout_s=20)
@@ -61,7 +61,7 @@ def validator(doc: dict[str, Any], model: str) -> Draft202012Validator:
 
 def route_accepts(intake: Intake, route: str, body: dict[str, Any]) -> bool:
     async def go() -> None:
-        draft = await intake.read(route, http_request(body), time.monotonic())
+        draft = await intake.read(ROUTES[route], http_request(body), time.monotonic())
         await intake.prepare(draft, None)
 
     try:

@@ -12,10 +12,9 @@ import pytest
 from gateway.dialects import anthropic
 from gateway.dialects.anthropic_reply import MessagesFormatter
 from gateway.http.errors import APIError
-from gateway.prompt.intake import ROUTES
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
-from tests.gateway.fake_engine import answered, streamed, whole
+from tests.gateway.fake_engine import ROUTES, answered, streamed, whole
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},

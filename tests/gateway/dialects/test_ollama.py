@@ -12,10 +12,9 @@ import pytest
 from gateway.dialects.ollama_reply import OllamaFormatter
 from gateway.http.errors import APIError
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.prompt.intake import ROUTES
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
-from tests.gateway.fake_engine import answered, streamed, whole
+from tests.gateway.fake_engine import ROUTES, answered, streamed, whole
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

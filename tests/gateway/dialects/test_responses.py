@@ -20,10 +20,9 @@ from gateway.api.app import create_app
 from gateway.config import GatewayConfig
 from gateway.dialects.responses_reply import ResponsesFormatter
 from gateway.http.errors import APIError
-from gateway.prompt.intake import ROUTES
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine, answered, streamed, whole
+from tests.gateway.fake_engine import ROUTES, FakeEngine, answered, streamed, whole
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -186,7 +186,7 @@ def test_a_chat_without_max_tokens_runs_to_the_context_never_cut_to_an_estimate(
     """The chat route's default is the rest of the context (vLLM's), whatever the workers'
     measured speed and whatever deadline: before, it was cut to what a 30 s deadline fit."""
     state = GatewayState(GatewayConfig(max_tokens_cap=1000, default_timeout_s=1))
-    from gateway.prompt.intake import ROUTES
+    from tests.gateway.fake_engine import ROUTES
 
     assert ROUTES["chat"].default_max_tokens is None
     assert params(state, 10, None, default_max=None).max_tokens == 90  # the context's room

@@ -20,7 +20,7 @@ from gateway.prompt.intake import Draft, EngineRequest, Intake
 from gateway.prompt.tenancy import cache_salt
 from gateway.tokens.tokenizer import GatewayTokenizer
 from protocol import messages as m
-from tests.gateway.fake_engine import FakeEngine
+from tests.gateway.fake_engine import ROUTES, FakeEngine
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -50,12 +50,12 @@ def intake(smollm2_info: m.TokenizerInfo, smollm2: GatewayTokenizer) -> Any:
 
 
 def read(intake: Intake, route: str, data: Any, arrival: float = 100.0) -> Draft:
-    return asyncio.run(intake.read(route, http_request(data), arrival))
+    return asyncio.run(intake.read(ROUTES[route], http_request(data), arrival))
 
 
 def prepare(intake: Intake, route: str, data: Any, key: str | None = None) -> EngineRequest:
     async def go() -> EngineRequest:
-        draft = await intake.read(route, http_request(data), time.monotonic())
+        draft = await intake.read(ROUTES[route], http_request(data), time.monotonic())
         return await intake.prepare(draft, key)
 
     return asyncio.run(go())
@@ -69,7 +69,7 @@ def refused(intake: Intake, route: str, data: Any) -> APIError:
 
 def test_read_decides_the_deadline_and_streaming_once(intake: Intake) -> None:
     draft = read(intake, "chat", {"messages": CHAT, "stream": True, "timeout": 5})
-    assert draft.deadline == 105.0 and draft.stream and draft.route == "chat"
+    assert draft.deadline == 105.0 and draft.stream and draft.route.name == "chat"
     # Honoured in full, longer than the operator's default for requests that name none.
     assert read(intake, "chat", {"messages": CHAT, "timeout": 99}).deadline == 199.0
     assert read(intake, "chat", {"messages": CHAT}).deadline == 120.0
