@@ -1,8 +1,9 @@
 """Integer-dot matmuls over GGUF block weights (issues 21, 22): the C++ kernel (csrc/int_dot.cpp)
 with its load-time repacking, and the pure-torch references it is tested by. Formats: the GGUF's
-own Q4_0 / Q4_1 / Q8_0 / Q5_0, and the forms the other GGML types are rewritten to, code for code
-(engine_worker/model/ggml_types.py): q8_1 (w = d*q + m), q6_16 (Q6_K's 6-bit codes, one scale per
-16 inputs) and q8_16 (the same with 8-bit codes).
+own Q4_0 / Q4_1 / Q8_0 / Q5_0, its Q4_K and Q6_K super-blocks as stored (q4_k, q6_k), and the
+forms the other GGML types are rewritten to, code for code (engine_worker/model/ggml_types.py):
+q8_1 (w = d*q + m), q6_16 (6-bit codes, one fp16 scale per 16 inputs) and q8_16 (the same with
+8-bit codes).
 
 Data flow:
 
@@ -41,21 +42,28 @@ TILE = 8  # output rows interleaved per packed block
 # byte c, bits 2j..2j+1: element 4j+c's; byte 4+c: element 16+4j+c's)
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22,
                "q6_16": 28}
-OFFSET_FORMATS = ("q4_1", "q8_1")  # w = d*q + m
+# The K-quants as the GGUF stores them, super-blocks of 256 inputs: bytes per super-block.
+# q4_k: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles;
+# w = d*sc*q - dmin*min per block of 32. q6_k: 128 bytes of low nibbles, 64 of top-two-bit
+# pairs, 16 int8 scales (one per 16 inputs), fp16 d; w = d*sc*(q - 32).
+SUPER = 256
+SUPER_BYTES = {"q4_k": 144, "q6_k": 210}
+THIRD = ("q4_1", "q8_1", "q4_k", "q6_k")  # formats whose op takes a third tensor, m
 LAYOUT = 1  # the packers' output layout; bump when any packer's changes (block caches key by it)
-FORMATS = tuple(BLOCK_BYTES)
+FORMATS = (*BLOCK_BYTES, *SUPER_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
-           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q5_0", "pack_q8_0", "pack_q8_1",
-           "pack_q6_16", "pack_q8_16",
-           "quantize_q8",
-           "reference_mm"]
+           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q5_0", "pack_q6_k",
+           "pack_q6_16", "pack_q8_0", "pack_q8_1", "pack_q8_16", "quantize_q8", "reference_mm",
+           "row_bytes"]
 
 
 class Packed(NamedTuple):
     """One weight matrix in the kernel's layout (see csrc/int_dot.cpp). T = ceil(N/8), B = K/32.
     qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for q8_x; d, m: float16 (T, B, 8) (d
-    (T, B, 16) for q8_16), the blocks' own scales (converted exactly; fp16 streams fewer bytes)."""
+    (T, B, 16) for q8_16), the blocks' own scales (converted exactly; fp16 streams fewer bytes).
+    q4_k / q6_k: d per super-block (T, B/8, 16 / 8), m the blocks' integer scales (T, B, 12 / 16)
+    (pack_q4_k, pack_q6_k)."""
 
     fmt: str
     n: int
@@ -65,10 +73,20 @@ class Packed(NamedTuple):
     m: torch.Tensor | None = None
 
 
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one row of K inputs in `fmt`."""
+    if fmt in SUPER_BYTES:
+        return k // SUPER * SUPER_BYTES[fmt]
+    return k // BLOCK * BLOCK_BYTES[fmt]
+
+
 def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
-    """The GGUF bytes as uint8 (N, K/32, block bytes), checked."""
-    if k <= 0 or k % BLOCK or n <= 0:
-        raise ValueError(f"{fmt}: need N >= 1 and K a positive multiple of 32, got N={n}, K={k}")
+    """The GGUF bytes as uint8 (N, K/32, block bytes) (the K-quants: (N, K/256, super-block
+    bytes)), checked."""
+    unit = SUPER if fmt in SUPER_BYTES else BLOCK
+    if k <= 0 or k % unit or n <= 0:
+        raise ValueError(f"{fmt}: need N >= 1 and K a positive multiple of {unit}, got N={n}, "
+                         f"K={k}")
     if isinstance(raw, torch.Tensor):
         t = raw
     else:
@@ -77,10 +95,12 @@ def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.T
             t = torch.as_tensor(np.asarray(raw))
     if t.dtype != torch.uint8:
         raise ValueError(f"{fmt}: raw blocks must be uint8, got {t.dtype}")
-    want = (n, k // BLOCK * BLOCK_BYTES[fmt])
+    want = (n, row_bytes(fmt, k))
     if tuple(t.shape) != want:
         raise ValueError(f"{fmt}: raw blocks must have shape {want} for N={n}, K={k}, "
                          f"got {tuple(t.shape)}")
+    if fmt in SUPER_BYTES:
+        return t.contiguous().view(n, k // SUPER, SUPER_BYTES[fmt])
     return t.contiguous().view(n, k // BLOCK, BLOCK_BYTES[fmt])
 
 
@@ -158,8 +178,78 @@ def pack_q6_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     return Packed("q6_16", n, k, qs.contiguous(), d.contiguous())
 
 
+def k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (N, S, 144) -> 6-bit scales and mins, int32 (N, S, 8) each."""
+    s = b[..., 4:16].to(torch.int32)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc, mn
+
+
+def k4_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks (N, S, 144) -> codes 0..15, int32 (N, S*8, 32) by block of 32: 32
+    bytes per 64 inputs, low nibbles the first 32, high nibbles the next."""
+    qs = b[..., 16:].to(torch.int32).reshape(*b.shape[:2], 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], -2)  # (N, S, 4, 2, 32)
+    return q.reshape(b.shape[0], -1, 32)
+
+
+def k6_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks (N, S, 210) -> codes 0..63, int32 (N, S*8, 32) by block of 32: inputs
+    h*128 + s*32 + j take nibble s//2 of ql[h*64 + (s%2)*32 + j] and bits 2s of qh[h*32 + j]."""
+    ql = b[..., 0:128].to(torch.int32).reshape(*b.shape[:2], 2, 1, 64)
+    qh = b[..., 128:192].to(torch.int32).reshape(*b.shape[:2], 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], -2).reshape(*b.shape[:2], 2, 4, 32)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)  # (N, S, 2, 4, 32)
+    return (low | (high << 4)).reshape(b.shape[0], -1, 32)
+
+
+def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (..., 32) -> 16 bytes in Q4_x order (byte j: element j low, 16 + j high)."""
+    return (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+
+
+def _per_super(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A value per row and super-block (N, S) -> fp16 (T, S, 8) by tile."""
+    return _scales(x.to(torch.float16), n)
+
+
+def pack_q4_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """GGUF Q4_K in the tile layout, in the file's 4.5 bits a weight: qs as Q4_1's (T, B, 128);
+    d fp16 (T, S, 16): lanes 0..7 the rows' d, 8..15 their dmin; m uint8 (T, B, 12): byte i
+    row i's 6-bit scale's low 4 bits and its min's (high nibble), then a 32-bit word whose bits
+    4i..4i+3 hold row i's top two bits of each (scale, then min)."""
+    b = _blocks(raw, "q4_k", n, k)
+    sc, mn = k4_scales(b)  # (N, S, 8)
+    qs = _interleave(_nibble_bytes(k4_codes(b)), n)
+    d = torch.cat([_per_super(_half(b, 0), n), _per_super(_half(b, 2), n)], -1)
+    sc, mn = sc.reshape(n, -1), mn.reshape(n, -1)  # (N, B)
+    low = _scales(((sc & 0x0F) | ((mn & 0x0F) << 4)).to(torch.uint8), n)  # (T, B, 8)
+    top = _scales((sc >> 4) | ((mn >> 4) << 2), n)  # (T, B, 8) int32, 4 bits each
+    word = (top << (4 * torch.arange(TILE, dtype=torch.int32))).sum(-1, dtype=torch.int32)
+    word_bytes = word.contiguous().view(torch.uint8).view(*word.shape, 4)  # little-endian
+    return Packed("q4_k", n, k, qs, d.contiguous(), torch.cat([low, word_bytes], -1).contiguous())
+
+
+def pack_q6_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """GGUF Q6_K in the tile layout, in the file's 6.5625 bits a weight: qs as q6_16's
+    (T, B, 192); d fp16 (T, S, 8), the rows' super-block scales; m int8 (T, B, 16): lanes 0..7
+    the rows' scales of inputs 0..15 of the block, 8..15 of inputs 16..31."""
+    b = _blocks(raw, "q6_k", n, k)
+    q = k6_codes(b)  # (N, B, 32)
+    top = (q >> 4).reshape(n, -1, 2, 4, 4)  # (half, j, c)
+    planes = (top << (2 * torch.arange(4, dtype=torch.int32))[:, None]).sum(-2)
+    qs = torch.cat([_interleave(_nibble_bytes(q & 0x0F), n),
+                    _interleave(planes.reshape(n, -1, 8).to(torch.uint8), n)], -1)
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1, 2)  # (N, B, 2)
+    m = torch.cat([_scales(sc[..., 0], n), _scales(sc[..., 1], n)], -1)  # (T, B, 16)
+    return Packed("q6_k", n, k, qs.contiguous(), _per_super(_half(b, 208), n), m.contiguous())
+
+
 PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0, "q8_1": pack_q8_1,
-           "q8_16": pack_q8_16, "q5_0": pack_q5_0, "q6_16": pack_q6_16}
+           "q8_16": pack_q8_16, "q5_0": pack_q5_0, "q6_16": pack_q6_16, "q4_k": pack_q4_k,
+           "q6_k": pack_q6_k}
 
 
 def q6_codes(b: torch.Tensor) -> torch.Tensor:
@@ -198,7 +288,7 @@ def _register_fake() -> None:
 
     for fmt in FORMATS:
         torch.library.register_fake(f"kestrel::int_dot_{fmt}")(
-            fake_offset if fmt in OFFSET_FORMATS else fake)
+            fake_offset if fmt in THIRD else fake)
 
 
 def load(cache_dir: str | Path | None = None) -> None:
@@ -220,7 +310,7 @@ def isa() -> str:
 
 def mm(p: Packed, x: torch.Tensor) -> torch.Tensor:
     """y (M, N) float32 = x (M, K) float32 @ W^T through the kernel (load() first)."""
-    if p.fmt in OFFSET_FORMATS:
+    if p.fmt in THIRD:
         return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.m, p.n)
     return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.n)
 
@@ -248,6 +338,18 @@ def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
     """The weights as float64 (N, K). offset=False leaves out the offset formats' m (the part of
     w that the kernel takes through the activations' code sums)."""
     b = _blocks(raw, fmt, n, k)
+    if fmt == "q4_k":
+        sc, mn = k4_scales(b)  # (N, S, 8)
+        scale = (_half(b, 0).double()[..., None] * sc).reshape(n, -1, 1)
+        w = scale * k4_codes(b).double()
+        if offset:
+            w = w - (_half(b, 2).double()[..., None] * mn).reshape(n, -1, 1)
+        return w.reshape(n, k)
+    if fmt == "q6_k":
+        sc = b[..., 192:208].contiguous().view(torch.int8).double()  # (N, S, 16)
+        scale = (_half(b, 208).double()[..., None] * sc).reshape(n, -1, 1)
+        q = (k6_codes(b) - 32).double().reshape(n, -1, 16)
+        return (scale * q).reshape(n, k)
     d = _half(b, 0).double()[..., None]
     if fmt == "q8_0":
         w = d * b[..., 2:].contiguous().view(torch.int8).double()

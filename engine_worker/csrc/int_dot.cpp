@@ -1,9 +1,11 @@
 // Integer-dot matmuls over GGUF block-quantized weights (issues 21, 22), as llama.cpp's CPU
 // backend does: y (M, N) float32 = x (M, K) float32 @ W^T for any number of activation rows, W
-// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, Q5_0, and forms that hold the other GGML types
-// exactly in their codes (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1 and
-// Q5_K), Q6_16 (6-bit codes with one scale per 16 inputs, for Q6_K) and Q8_16 (the same as
-// 8-bit codes).
+// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, Q5_0, the K-quants Q4_K and Q6_K in the bytes the
+// GGUF stores (super-blocks of 256: an fp16 scale per super-block times a small integer scale
+// per block), and forms that hold the other GGML types exactly in their codes
+// (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1 and Q5_K), Q6_16 (6-bit
+// codes with one fp16 scale per 16 inputs, Q6_K's former form) and Q8_16 (the same as 8-bit
+// codes).
 //
 // Data flow of one call:
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
@@ -32,6 +34,16 @@
 //     4i+c holds in bits 2j..2j+1 those of row i's element 4j+c (j = 0..3), in the second those
 //     of element 16+4j+c, so a shift and a mask put them beside the nibbles of vector j. d as
 //     Q8_16's; w = d*(q-32), q in 0..63, applied per half block as isum - 32 * sum(codes).
+//   Q4_K: qs as Q4_1's; d float16 (T, B/8, 16): lanes 0..7 the 8 rows' super-block scale d,
+//     8..15 their dmin; m uint8 (T, B, 12): byte i holds row i's 6-bit block scale (low 4 bits)
+//     and min (high 4), then a little-endian word whose bits 4i..4i+3 hold row i's top two
+//     bits of each (scale, then min). w = (d*sc)*q - (dmin*min): 4.5 bits a weight, the file's.
+//   Q6_K: qs as Q6_16's; d float16 (T, B/8, 8), the rows' super-block scale; m int8 (T, B, 16):
+//     lanes 0..7 the rows' scales of inputs 0..15, 8..15 of inputs 16..31; w = (d*sc)*(q-32):
+//     6.5625 bits a weight, the file's. For both, d*sc (and dmin*min) are exact in float32 (11
+//     significant bits times 6 or 8), so they are multiplied out per block (scales8) and then
+//     take Q4_1's (Q6_16's) float steps. With many rows a tile's unpacked scales are kept for
+//     the group's later chunks of rows (`kept`).
 // Rows are taken in groups of 64: each group meets every tile while its codes stay in cache.
 // So one 32-bit lane of a vector holds 4 consecutive inputs of one output row: a dot of 4 bytes
 // per lane (maddubs+madd, or dpbusd) against the activation's 4 matching codes broadcast to all
@@ -93,17 +105,32 @@ constexpr int kChunk = 4;          // activation rows that share one pass over a
 constexpr int kChunk2 = 8;
 constexpr int64_t kAhead = 2;      // prefetch distance in work items (tiles, or pairs of tiles)
 
-enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16 };
+enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16, Q4_K, Q6_K };
+
+constexpr int64_t kSuper = 8;  // blocks of 32 per K-quant super-block (256 inputs)
 
 constexpr bool is_q8(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q8_1 || f == Fmt::Q8_16; }
-constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1; }
+// the K-quants as stored: fp16 scales per super-block (d), small integer scales per block (m)
+constexpr bool is_k(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K; }
+// w = d*q + m: the offset taken through the activations' code sums
+constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1 || f == Fmt::Q4_K; }
+constexpr bool six_bit(Fmt f) { return f == Fmt::Q6_16 || f == Fmt::Q6_K; }
 constexpr int64_t packed_bytes(Fmt f) {
-  return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : f == Fmt::Q6_16 ? 192 : 128;
+  return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : six_bit(f) ? 192 : 128;
 }
 // one scale per half block (16 inputs): the integer dot is kept per half
-constexpr bool per_half(Fmt f) { return f == Fmt::Q8_16 || f == Fmt::Q6_16; }
-// scales per (tile, block): one per row, or one per row and half block
-constexpr int64_t scales_per(Fmt f) { return per_half(f) ? 2 * kTile : kTile; }
+constexpr bool per_half(Fmt f) { return f == Fmt::Q8_16 || six_bit(f); }
+// fp16 scales per (tile, block): one per row, or one per row and half block; the K-quants' per
+// super-block (d and dmin of 8 rows for Q4_K: 16 per 8 blocks; d of 8 rows for Q6_K: 8)
+constexpr int64_t scales_per(Fmt f) {
+  return f == Fmt::Q4_K ? 2 : f == Fmt::Q6_K ? 1 : per_half(f) ? 2 * kTile : kTile;
+}
+// bytes of the third tensor (m) per (tile, block): fp16 offsets of 8 rows (Q4_1, Q8_1); Q4_K's
+// 6-bit scales and mins of 8 rows in 12 bytes; Q6_K's int8 scales of 8 rows' two halves
+constexpr int64_t m_bytes(Fmt f) {
+  return f == Fmt::Q4_K ? 12 : f == Fmt::Q6_K ? 2 * kTile : has_offset(f) ? 2 * kTile : 0;
+}
+constexpr bool has_m(Fmt f) { return m_bytes(f) > 0; }
 constexpr const char* fmt_name(Fmt f) {
   return f == Fmt::Q4_0   ? "q4_0"
          : f == Fmt::Q4_1 ? "q4_1"
@@ -111,6 +138,8 @@ constexpr const char* fmt_name(Fmt f) {
          : f == Fmt::Q8_1 ? "q8_1"
          : f == Fmt::Q5_0 ? "q5_0"
          : f == Fmt::Q6_16 ? "q6_16"
+         : f == Fmt::Q4_K ? "q4_k"
+         : f == Fmt::Q6_K ? "q6_k"
                           : "q8_16";
 }
 
@@ -232,7 +261,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QAct& a) {
 inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The code the unsigned nibble codes are offset by: w = d * (q - zero_code).
-constexpr int32_t zero_code(Fmt f) { return f == Fmt::Q5_0 ? 16 : f == Fmt::Q6_16 ? 32 : 8; }
+constexpr int32_t zero_code(Fmt f) { return f == Fmt::Q5_0 ? 16 : six_bit(f) ? 32 : 8; }
 
 #if defined(KESTREL_SIMD)
 inline __m256 load8h(const uint16_t* p) {
@@ -258,7 +287,81 @@ inline __m256i top2(__m256i plane) {
                               : _mm256_srli_epi16(plane, 2);
   return _mm256_and_si256(at, _mm256_set1_epi8(0x30));
 }
+
+// A block's float scales for one tile's 8 rows: d (for the per-half formats the first half's),
+// the second half's d, and the offset m of w = d*q + m. The K-quants' are made here from their
+// super-block's fp16 scale times the block's small integer scale: both exact in float32 (11
+// significant bits times 6 or 8), so every path multiplies the same floats. Q4_K's offset is
+// -(dmin * min), negated exactly.
+struct Scales8 {
+  __m256 d, dhi, m;
+};
+
+template <Fmt F>
+[[gnu::always_inline]] inline Scales8 scales8(const uint16_t* dw, const uint8_t* mw, int64_t b) {
+  constexpr int64_t sp = scales_per(F);
+  Scales8 s{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  if constexpr (F == Fmt::Q4_K) {
+    const uint8_t* mb = mw + b * m_bytes(F);
+    // bytes 0..7: row i's scale (low 4 bits) and min (high 4); the word after: row i's top two
+    // bits of each at bits 4i..4i+1 (scale) and 4i+2..4i+3 (min)
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mb)));
+    uint32_t word;
+    std::memcpy(&word, mb + kTile, 4);
+    const __m256i top = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)),
+                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i three = _mm256_set1_epi32(3);
+    const __m256i sc = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xF)),
+                                       _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
+    const __m256i mn = _mm256_or_si256(
+        _mm256_srli_epi32(v, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(top, 2),
+                                                                    three), 4));
+    const uint16_t* ds = dw + (b / kSuper) * 2 * kTile;
+    s.d = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), load8h(ds));
+    s.m = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mn), load8h(ds + kTile)),
+                        _mm256_set1_ps(-0.f));
+  } else if constexpr (F == Fmt::Q6_K) {
+    const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + b * m_bytes(F)));
+    const __m256 sup = load8h(dw + (b / kSuper) * kTile);
+    s.d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)), sup);
+    s.dhi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sb, sb))),
+                          sup);
+  } else {
+    s.d = load8h(dw + b * sp);
+    if constexpr (per_half(F)) s.dhi = load8h(dw + b * sp + kTile);
+    if constexpr (has_offset(F)) s.m = load8h(reinterpret_cast<const uint16_t*>(mw) + b * kTile);
+  }
+  return s;
+}
 #endif
+
+// The same scales for row i of a tile, in the scalar build: the same float products.
+template <Fmt F>
+inline void scales1(const uint16_t* dw, const uint8_t* mw, int64_t b, int i, float& d,
+                    float& dhi, float& m) {
+  constexpr int64_t sp = scales_per(F);
+  dhi = m = 0.f;
+  if constexpr (F == Fmt::Q4_K) {
+    const uint8_t* mb = mw + b * m_bytes(F);
+    uint32_t word;
+    std::memcpy(&word, mb + kTile, 4);
+    const uint32_t top = (word >> (4 * i)) & 0xF;
+    const int32_t sc = (mb[i] & 0xF) | ((top & 3) << 4), mn = (mb[i] >> 4) | ((top >> 2) << 4);
+    const uint16_t* ds = dw + (b / kSuper) * 2 * kTile;
+    d = static_cast<float>(sc) * h2f(ds[i]);
+    m = -(static_cast<float>(mn) * h2f(ds[kTile + i]));
+  } else if constexpr (F == Fmt::Q6_K) {
+    const int8_t* sb = reinterpret_cast<const int8_t*>(mw + b * m_bytes(F));
+    const float sup = h2f(dw[(b / kSuper) * kTile + i]);
+    d = static_cast<float>(sb[i]) * sup;
+    dhi = static_cast<float>(sb[kTile + i]) * sup;
+  } else {
+    d = h2f(dw[b * sp + i]);
+    if constexpr (per_half(F)) dhi = h2f(dw[b * sp + kTile + i]);
+    if constexpr (has_offset(F)) m = h2f(reinterpret_cast<const uint16_t*>(mw)[b * kTile + i]);
+  }
+}
 
 // Software prefetch of block b of `count` tiles starting `ahead` tiles after this one (weights
 // and scales), issued by the first pass over a tile. The hardware's prefetchers alone follow the
@@ -268,16 +371,16 @@ inline __m256i top2(__m256i plane) {
 // (always inlined: a call would make the caller spill its vector registers every block)
 template <Fmt F>
 [[gnu::always_inline]] inline void prefetch_block(const uint8_t* qs, const uint16_t* dw,
-                                                  const uint16_t* mw, int64_t blocks, int64_t b,
+                                                  const uint8_t* mw, int64_t blocks, int64_t b,
                                                   int64_t ahead, int count) {
-  constexpr int64_t pb = packed_bytes(F), sp = scales_per(F);
+  constexpr int64_t pb = packed_bytes(F), sp = scales_per(F), mb = m_bytes(F);
   for (int i = 0; i < count; ++i) {
     const int64_t tile = ahead + i;
     const uint8_t* wb = qs + tile * blocks * pb + b * pb;
     for (int64_t off = 0; off < pb; off += 64) __builtin_prefetch(wb + off, 0, 3);
     if ((b * sp) % 32 == 0) __builtin_prefetch(dw + tile * blocks * sp + b * sp, 0, 3);
-    if (mw != nullptr && (b * kTile) % 32 == 0) {
-      __builtin_prefetch(mw + tile * blocks * kTile + b * kTile, 0, 3);
+    if (mw != nullptr && (b * mb) % 64 < mb) {
+      __builtin_prefetch(mw + tile * blocks * mb + b * mb, 0, 3);
     }
   }
 }
@@ -285,9 +388,9 @@ template <Fmt F>
 // One tile (8 output rows) against R activation rows: writes y[r, col .. col+valid).
 // qs: the tile's packed bytes (B * packed_bytes); dw, mw: the tile's (B, 8) scales / offsets.
 template <Fmt F, int R>
-void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
+void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64_t blocks,
                 const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
-                int64_t valid, int64_t ahead) {
+                int64_t valid, int64_t ahead, float* kept = nullptr, bool keep = false) {
   constexpr int64_t pb = packed_bytes(F);
   float out[R][kTile];
 #if defined(KESTREL_SIMD)
@@ -300,8 +403,19 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
     if (ahead > 0) prefetch_block<F>(qs, dw, mw, blocks, b, ahead, 1);
-    constexpr int64_t sp = scales_per(F);
-    const __m256 dwv = load8h(dw + b * sp);
+    Scales8 sc8;
+    if (kept == nullptr || keep) {
+      sc8 = scales8<F>(dw, mw, b);
+      if (kept != nullptr) {
+        _mm256_storeu_ps(kept + 24 * b, sc8.d);
+        _mm256_storeu_ps(kept + 24 * b + 8, sc8.dhi);
+        _mm256_storeu_ps(kept + 24 * b + 16, sc8.m);
+      }
+    } else {
+      sc8 = {_mm256_loadu_ps(kept + 24 * b), _mm256_loadu_ps(kept + 24 * b + 8),
+             _mm256_loadu_ps(kept + 24 * b + 16)};
+    }
+    const __m256 dwv = sc8.d;
     if constexpr (is_q8(F)) {
       __m256i wabs[8], w[8];
       for (int j = 0; j < 8; ++j) {
@@ -335,15 +449,15 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
         const __m256 dx = _mm256_set1_ps(a.d[ab]);
         if constexpr (F == Fmt::Q8_16) {
-          const __m256 dhi = load8h(dw + b * sp + kTile);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[0]), _mm256_mul_ps(dwv, dx), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(dhi, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), _mm256_mul_ps(sc8.dhi, dx),
+                                   acc[r]);
         } else {
           const __m256i isum = _mm256_add_epi32(half[0], half[1]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dwv, dx), acc[r]);
         }
         if constexpr (F == Fmt::Q8_1) {
-          acc[r] = _mm256_fmadd_ps(load8h(mw + b * kTile), _mm256_set1_ps(a.s[ab]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(sc8.m, _mm256_set1_ps(a.s[ab]), acc[r]);
         }
       }
     } else {
@@ -360,7 +474,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
           hi[j] = _mm256_or_si256(hi[j], spread4(_mm256_srli_epi32(qh, 16 + 4 * j)));
         }
       }
-      if constexpr (F == Fmt::Q6_16) {  // the top two bits beside the nibbles: codes 0..63
+      if constexpr (six_bit(F)) {  // the top two bits beside the nibbles: codes 0..63
         const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
         const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 160));
         lo[0] = _mm256_or_si256(lo[0], top2<0>(pl));
@@ -387,7 +501,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         __m256i isum = _mm256_add_epi32(i0, i1);
 #else
         __m256i isum, i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-        if constexpr (F == Fmt::Q6_16) {  // per half; two pairs of 6-bit products fit int16
+        if constexpr (six_bit(F)) {  // per half; two pairs of 6-bit products fit int16
           __m256i p[2];
           for (int h = 0; h < 2; ++h) {
             const __m256i* v = h == 0 ? lo : hi;
@@ -429,13 +543,12 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
 #endif
         const int64_t ab = row * blocks + b;
-        if constexpr (F == Fmt::Q6_16) {  // as Q8_16's float steps: the same bits
+        if constexpr (six_bit(F)) {  // as Q8_16's float steps: the same bits
           const __m256 dx = _mm256_set1_ps(a.d[ab]);
           const __m256i h0 = _mm256_sub_epi32(i0, _mm256_set1_epi32(32 * a.half[2 * ab]));
           const __m256i h1 = _mm256_sub_epi32(i1, _mm256_set1_epi32(32 * a.half[2 * ab + 1]));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(dwv, dx), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1),
-                                   _mm256_mul_ps(load8h(dw + b * sp + kTile), dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), _mm256_mul_ps(sc8.dhi, dx), acc[r]);
           continue;
         }
         if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) {
@@ -443,9 +556,8 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
         }
         const __m256 scale = _mm256_mul_ps(dwv, _mm256_set1_ps(a.d[ab]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
-        if constexpr (F == Fmt::Q4_1) {
-          acc[r] = _mm256_fmadd_ps(load8h(mw + b * kTile), _mm256_set1_ps(a.s[ab]),
-                                   acc[r]);
+        if constexpr (has_offset(F)) {
+          acc[r] = _mm256_fmadd_ps(sc8.m, _mm256_set1_ps(a.s[ab]), acc[r]);
         }
       }
     }
@@ -460,7 +572,8 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
       const int64_t row = r0 + r, ab = row * blocks + b;
       const int8_t* xq = a.q.data() + row * k + b * kBlock;
       for (int i = 0; i < kTile; ++i) {
-        constexpr int64_t sp = scales_per(F);
+        float dwi, dhi, mi;
+        scales1<F>(dw, mw, b, i, dwi, dhi, mi);
         int32_t isum = 0;
         if constexpr (is_q8(F)) {
           int32_t half[2] = {0, 0};
@@ -469,14 +582,12 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
               half[j / 4] += static_cast<int32_t>(static_cast<int8_t>(wb[32 * j + 4 * i + c])) *
                              xq[4 * j + c];
           if constexpr (F == Fmt::Q8_16) {
-            out[r][i] = std::fma(static_cast<float>(half[0]), h2f(dw[b * sp + i]) * a.d[ab],
-                                 out[r][i]);
-            out[r][i] = std::fma(static_cast<float>(half[1]),
-                                 h2f(dw[b * sp + kTile + i]) * a.d[ab], out[r][i]);
+            out[r][i] = std::fma(static_cast<float>(half[0]), dwi * a.d[ab], out[r][i]);
+            out[r][i] = std::fma(static_cast<float>(half[1]), dhi * a.d[ab], out[r][i]);
             continue;
           }
           isum = half[0] + half[1];
-        } else if constexpr (F == Fmt::Q6_16) {
+        } else if constexpr (six_bit(F)) {
           int32_t half[2] = {0, 0};
           for (int j = 0; j < 4; ++j)
             for (int c = 0; c < 4; ++c) {
@@ -488,10 +599,8 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
             }
           half[0] -= 32 * a.half[2 * ab];
           half[1] -= 32 * a.half[2 * ab + 1];
-          out[r][i] = std::fma(static_cast<float>(half[0]), h2f(dw[b * sp + i]) * a.d[ab],
-                               out[r][i]);
-          out[r][i] = std::fma(static_cast<float>(half[1]),
-                               h2f(dw[b * sp + kTile + i]) * a.d[ab], out[r][i]);
+          out[r][i] = std::fma(static_cast<float>(half[0]), dwi * a.d[ab], out[r][i]);
+          out[r][i] = std::fma(static_cast<float>(half[1]), dhi * a.d[ab], out[r][i]);
           continue;
         } else {
           uint32_t qh = 0;
@@ -505,11 +614,8 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64
             }
           if constexpr (F == Fmt::Q4_0 || F == Fmt::Q5_0) isum -= zero_code(F) * a.sum[ab];
         }
-        out[r][i] = std::fma(static_cast<float>(isum), h2f(dw[b * sp + i]) * a.d[ab],
-                             out[r][i]);
-        if constexpr (has_offset(F)) {
-          out[r][i] = std::fma(h2f(mw[b * kTile + i]), a.s[ab], out[r][i]);
-        }
+        out[r][i] = std::fma(static_cast<float>(isum), dwi * a.d[ab], out[r][i]);
+        if constexpr (has_offset(F)) out[r][i] = std::fma(mi, a.s[ab], out[r][i]);
       }
     }
   }
@@ -547,17 +653,79 @@ inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
+// scales8's for two neighbouring tiles (tile t's 8 rows in lanes 0..7, t+1's in 8..15): the same
+// products per lane. The second tile's scales are `tile_scales` fp16 and `tile_m` bytes on.
+struct Scales16 {
+  __m512 d, dhi, m;
+};
+
+template <Fmt F>
+[[gnu::always_inline]] inline Scales16 scales16(const uint16_t* dw, const uint8_t* mw,
+                                                 int64_t b, int64_t tile_scales,
+                                                 int64_t tile_m) {
+  constexpr int64_t sp = scales_per(F);
+  Scales16 s{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  if constexpr (F == Fmt::Q4_K) {
+    const uint8_t* m0 = mw + b * m_bytes(F);
+    const uint8_t* m1 = m0 + tile_m;
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m0)),
+                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m1))));
+    uint32_t w0, w1;
+    std::memcpy(&w0, m0 + kTile, 4);
+    std::memcpy(&w1, m1 + kTile, 4);
+    const __m512i words = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set1_epi32(static_cast<int32_t>(w0))),
+        _mm256_set1_epi32(static_cast<int32_t>(w1)), 1);
+    const __m512i top = _mm512_srlv_epi32(
+        words, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    const __m512i three = _mm512_set1_epi32(3);
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
+                                       _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
+    const __m512i mn = _mm512_or_si512(
+        _mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, 2),
+                                                                    three), 4));
+    const uint16_t* ds = dw + (b / kSuper) * 2 * kTile;
+    s.d = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), load2(ds, ds + tile_scales));
+    s.m = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mn),
+                                          load2(ds + kTile, ds + tile_scales + kTile))),
+        _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  } else if constexpr (F == Fmt::Q6_K) {
+    const uint8_t* m0 = mw + b * m_bytes(F);
+    const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m0));
+    const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m0 + tile_m));
+    const uint16_t* ds = dw + (b / kSuper) * kTile;
+    const __m512 sup = load2(ds, ds + tile_scales);
+    s.d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))),
+                        sup);
+    s.dhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))),
+                          sup);
+  } else {
+    s.d = load2(dw + b * sp, dw + tile_scales + b * sp);
+    if constexpr (per_half(F)) {
+      s.dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
+    }
+    if constexpr (has_offset(F)) {
+      const uint16_t* mh = reinterpret_cast<const uint16_t*>(mw);
+      s.m = load2(mh + b * kTile, mh + tile_m / 2 + b * kTile);
+    }
+  }
+  return s;
+}
+
 // Two neighbouring tiles (16 output rows: tile t in lanes 0..7, t+1 in lanes 8..15) against R
 // activation rows with 512-bit dpbusd: each activation broadcast and each float step serves 16
 // rows. Per lane the same integer sums and float steps as tile_chunk, so the same bits.
 // q, dw, mw: tile t's; tile t+1's are `tile_bytes` / `tile_scales` further on.
 template <Fmt F, int R>
-void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int64_t blocks,
+void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64_t blocks,
                  const QAct& a, int64_t r0, int64_t k, float* y, int64_t n, int64_t col,
-                 int64_t valid, int64_t ahead) {
+                 int64_t valid, int64_t ahead, float* kept = nullptr, bool keep = false) {
   constexpr int64_t pb = packed_bytes(F);
   constexpr int64_t sp = scales_per(F);
-  const int64_t tile_bytes = blocks * pb, tile_scales = blocks * sp;
+  const int64_t tile_bytes = blocks * pb, tile_scales = blocks * sp,
+                tile_m = blocks * m_bytes(F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -565,7 +733,19 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = qs + b * pb;
     if (ahead > 0) prefetch_block<F>(qs, dw, mw, blocks, b, ahead, 2);
-    const __m512 dwv = load2(dw + b * sp, dw + tile_scales + b * sp);
+    Scales16 sc16;
+    if (kept == nullptr || keep) {
+      sc16 = scales16<F>(dw, mw, b, tile_scales, tile_m);
+      if (kept != nullptr) {
+        _mm512_storeu_ps(kept + 48 * b, sc16.d);
+        _mm512_storeu_ps(kept + 48 * b + 16, sc16.dhi);
+        _mm512_storeu_ps(kept + 48 * b + 32, sc16.m);
+      }
+    } else {
+      sc16 = {_mm512_loadu_ps(kept + 48 * b), _mm512_loadu_ps(kept + 48 * b + 16),
+              _mm512_loadu_ps(kept + 48 * b + 32)};
+    }
+    const __m512 dwv = sc16.d;
     if constexpr (is_q8(F)) {
       __m512i wabs[8];
       __mmask64 neg[8];
@@ -574,11 +754,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         wabs[j] = _mm512_abs_epi8(w);
         neg[j] = _mm512_movepi8_mask(w);  // AVX512 has no sign_epi8: negate x where w < 0
       }
-      __m512 dhi = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-      if constexpr (F == Fmt::Q8_16) {
-        dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
-      }
-      if constexpr (F == Fmt::Q8_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
+      const __m512 dhi = sc16.dhi, mv = sc16.m;
       #pragma GCC unroll 8  // every row its own registers: rolled, acc[] lived on the stack
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r, ab = row * blocks + b;
@@ -621,8 +797,8 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
           hi[j] = _mm512_or_si512(hi[j], spread4(_mm512_srli_epi32(qh, 16 + 4 * j)));
         }
       }
-      __m512 dhi = _mm512_setzero_ps();
-      if constexpr (F == Fmt::Q6_16) {
+      const __m512 dhi = sc16.dhi, mv = sc16.m;
+      if constexpr (six_bit(F)) {
         const __m512i pl = load2(wb + 128, wb + tile_bytes + 128);
         const __m512i ph = load2(wb + 160, wb + tile_bytes + 160);
         lo[0] = _mm512_or_si512(lo[0], top2<0>(pl));
@@ -633,10 +809,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         hi[1] = _mm512_or_si512(hi[1], top2<1>(ph));
         hi[2] = _mm512_or_si512(hi[2], top2<2>(ph));
         hi[3] = _mm512_or_si512(hi[3], top2<3>(ph));
-        dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
       }
-      __m512 mv = _mm512_setzero_ps();
-      if constexpr (F == Fmt::Q4_1) mv = load2(mw + b * kTile, mw + blocks * kTile + b * kTile);
       #pragma GCC unroll 8  // every row its own registers: rolled, acc[] lived on the stack
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -650,7 +823,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
           i1 = _mm512_dpbusd_epi32(i1, hi[j], _mm512_set1_epi32(xh));
         }
         const int64_t ab = row * blocks + b;
-        if constexpr (F == Fmt::Q6_16) {
+        if constexpr (six_bit(F)) {
           const __m512 dx = _mm512_set1_ps(a.d[ab]);
           const __m512i h0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(32 * a.half[2 * ab]));
           const __m512i h1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(32 * a.half[2 * ab + 1]));
@@ -664,7 +837,9 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, int6
         }
         const __m512 scale = _mm512_mul_ps(dwv, _mm512_set1_ps(a.d[ab]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-        if constexpr (F == Fmt::Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+        if constexpr (has_offset(F)) {
+          acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+        }
       }
     }
   }
@@ -728,22 +903,31 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
               "int_dot_", name, ": qs must be a contiguous ", at::toString(qtype), " (", tiles,
               ", ", blocks, ", ", packed_bytes(F), ") CPU tensor for n = ", n, ", K = ", k,
               ", got ", qs.scalar_type(), " of shape ", qs.sizes());
-  auto check_scales = [&](const at::Tensor& t, const char* what, int64_t per) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf && t.is_contiguous() &&
-                    t.dim() == 3 && t.size(0) == tiles && t.size(1) == blocks &&
+  TORCH_CHECK(!is_k(F) || k % (kSuper * kBlock) == 0, "int_dot_", name, ": K = ", k,
+              " is not a multiple of 256 (a K-quant super-block)");
+  auto check_scales = [&](const at::Tensor& t, const char* what, at::ScalarType dtype,
+                          int64_t per_tile, int64_t per) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
+                    t.dim() == 3 && t.size(0) == tiles && t.size(1) == per_tile &&
                     t.size(2) == per,
-                "int_dot_", name, ": ", what, " must be a contiguous float16 (", tiles, ", ",
-                blocks, ", ", per, ") CPU tensor, got ", t.scalar_type(), " of shape ",
-                t.sizes());
+                "int_dot_", name, ": ", what, " must be a contiguous ", at::toString(dtype),
+                " (", tiles, ", ", per_tile, ", ", per, ") CPU tensor, got ", t.scalar_type(),
+                " of shape ", t.sizes());
   };
-  constexpr int64_t sp = scales_per(F);
-  check_scales(d, "d", sp);
-  const uint16_t* mp = nullptr;
-  if constexpr (has_offset(F)) {
-    TORCH_CHECK(m.has_value(), "int_dot_", name, ": m is required");
-    check_scales(*m, "m", kTile);
-    mp = static_cast<const uint16_t*>(m->data_ptr());
+  // the K-quants' d: one fp16 per row (and Q4_K's dmin) per super-block of 8 blocks
+  if constexpr (is_k(F)) {
+    check_scales(d, "d", at::kHalf, blocks / kSuper, scales_per(F) * kSuper);
+  } else {
+    check_scales(d, "d", at::kHalf, blocks, scales_per(F));
   }
+  const uint8_t* mp = nullptr;
+  if constexpr (has_m(F)) {
+    TORCH_CHECK(m.has_value(), "int_dot_", name, ": m is required");
+    const auto mtype = F == Fmt::Q4_K ? at::kByte : F == Fmt::Q6_K ? at::kChar : at::kHalf;
+    check_scales(*m, "m", mtype, blocks, is_k(F) ? m_bytes(F) : kTile);
+    mp = static_cast<const uint8_t*>(m->data_ptr());
+  }
+  constexpr int64_t sp = scales_per(F);
   QAct a;
   quantize_rows(x.data_ptr<float>(), rows, k, a);
   at::Tensor y = at::empty({rows, n}, x.options());
@@ -764,17 +948,30 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const int64_t g1 = std::min(rows, g0 + kRowGroup);
   parallel_chunks(items, 8 / per_item, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
+      // the K-quants' scales of a tile, unpacked by the group's first chunk of rows and read
+      // back by the others (a prefill chunk), so the unpacking is paid once a group
+      auto kept = [&](int64_t width) -> float* {
+        if constexpr (!is_k(F)) {
+          return nullptr;
+        } else {
+          if (g1 - g0 <= (width == 48 ? kChunk2 : kChunk)) return nullptr;
+          thread_local std::vector<float> buf;
+          if (buf.size() < static_cast<size_t>(blocks * width)) buf.resize(blocks * width);
+          return buf.data();
+        }
+      };
       const int64_t t = item * per_item;
       const uint8_t* tq = qp + t * blocks * pb;
       const uint16_t* td = dp + t * blocks * sp;
-      const uint16_t* tm = mp ? mp + t * blocks * kTile : nullptr;
+      const uint8_t* tm = mp ? mp + t * blocks * m_bytes(F) : nullptr;
 #if defined(KESTREL_ZMM)
       if (t + 1 < tiles) {
         const int64_t col = t * kTile, valid = std::min(2 * kTile, n - col);
         for (int64_t r0 = g0; r0 < g1; r0 += kChunk2) {
           with_rows<kChunk2>(std::min<int64_t>(kChunk2, g1 - r0), [&]<int R>() {
             tile2_chunk<F, R>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid,
-                              r0 == g0 && t + 2 * kAhead + 1 < tiles ? 2 * kAhead : 0);
+                              r0 == g0 && t + 2 * kAhead + 1 < tiles ? 2 * kAhead : 0,
+                              kept(48), r0 == g0);
           });
         }
         continue;
@@ -784,7 +981,7 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
       for (int64_t r0 = g0; r0 < g1; r0 += kChunk) {
         with_rows<kChunk>(std::min<int64_t>(kChunk, g1 - r0), [&]<int R>() {
           tile_chunk<F, R>(tq, td, tm, blocks, a, r0, k, yp, n, col, valid,
-                           r0 == g0 && t + kAhead < tiles ? kAhead : 0);
+                           r0 == g0 && t + kAhead < tiles ? kAhead : 0, kept(24), r0 == g0);
         });
       }
     }
@@ -828,6 +1025,16 @@ at::Tensor int_dot_q6_16(const at::Tensor& x, const at::Tensor& qs, const at::Te
   return int_dot<Fmt::Q6_16>(x, qs, d, c10::nullopt, n);
 }
 
+at::Tensor int_dot_q4_k(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t n) {
+  return int_dot<Fmt::Q4_K>(x, qs, d, m, n);
+}
+
+at::Tensor int_dot_q6_k(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t n) {
+  return int_dot<Fmt::Q6_K>(x, qs, d, m, n);
+}
+
 // The activation quantizer alone, for tests: (codes int8 (M, K), scales float32 (M, K/32),
 // code sums int32 (M, K/32)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int_dot_quantize_q8(const at::Tensor& x) {
@@ -859,6 +1066,8 @@ TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
   lib.def("int_dot_q8_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q5_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q6_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
+  lib.def("int_dot_q4_k(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
+  lib.def("int_dot_q6_k(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
 }
@@ -871,5 +1080,7 @@ TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
   lib.impl("int_dot_q8_16", &int_dot_q8_16);
   lib.impl("int_dot_q5_0", &int_dot_q5_0);
   lib.impl("int_dot_q6_16", &int_dot_q6_16);
+  lib.impl("int_dot_q4_k", &int_dot_q4_k);
+  lib.impl("int_dot_q6_k", &int_dot_q6_k);
   lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
 }

@@ -3,23 +3,24 @@
     GGUFReader tensor (numpy memmap of the file's bytes)
       -> read_tensor: by GGML type
            Q4_0, Q4_1, Q8_0, Q5_0    as they are (the kernel reads them natively)
+           Q4_K, Q6_K                 as they are, super-blocks of 256 (q4_k, q6_k: the kernel
+                                       reads their two-level scales; 4.5 and 6.5625 bits a weight)
            Q5_1  (d, m, 5-bit q)      -> q8_1:  codes q, the same d and m            (exact)
-           Q4_K  (256: 8 x 32, 6-bit scale and min per 32)
-                                       -> q4_1:  per 32, d' = d*sc, m' = -dmin*mn, codes q
-           Q5_K  (as Q4_K, 5-bit q)    -> q8_1:  the same scales, codes q 0..31
-           Q6_K  (256: 16 x 16, int8 scale per 16, 6-bit q)
-                                       -> q6_16: per 16, d' = d*sc, codes q (w = d'*(q-32)),
-                                          7 bits a weight (q8_16, 8-bit codes q - 32: 9 bits)
+           Q5_K  (256: 8 x 32, 6-bit scale and min per 32, 5-bit q)
+                                       -> q8_1:  per 32, d' = d*sc, m' = -dmin*mn, codes q
+                                          0..31 (9 bits a weight where the file has 5.5)
            F32 / F16 / BF16           -> float32 (norms, biases)
            anything else               -> gguf's own dequantize (float32), named in the log
       -> Blocks: fmt, raw bytes (N, K/32 * block bytes); codes / scales / float view on demand
          (for torch's packed kernels, where ours is not built, Q5_0 is rewritten as Q8_0 with
          codes q - 16 and the same d: exact)
 
-Every code is the file's own. The K-quants' two-level scales (an fp16 super-block scale times a
-6- or 8-bit sub-block scale) become one fp16 scale per 32 (or 16) inputs: that product is rounded
-to fp16 (11 significant bits; the relative change of any weight is below 2^-11, under 1/100 of a
-quantization step). Nothing is re-quantized and no float copy of a quantized tensor is made.
+Every code is the file's own. Q5_K's two-level scales (an fp16 super-block scale times a 6-bit
+sub-block scale) become one fp16 scale per 32 inputs: that product is rounded to fp16 (11
+significant bits; the relative change of any weight is below 2^-11, under 1/100 of a
+quantization step). Q4_K and Q6_K keep theirs: the kernel multiplies them out exactly. Nothing
+is re-quantized and no float copy of a quantized tensor is made. (q4_1 and q6_16, the forms
+Q4_K and Q6_K were once rewritten to, remain kernel formats of their own.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import torch
 
 from engine_worker import int_dot
 from engine_worker.model.gguf_header import tensor_table
@@ -92,9 +95,12 @@ def q6_body(q: np.ndarray) -> np.ndarray:
     return np.concatenate([_nibbles(q & 0x0F), planes.reshape(*q.shape[:-1], 8)], axis=-1)
 
 
-def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarray] | None:
+def convert(kind: Any, data: np.ndarray, n: int, k: int,
+            as_stored: bool = True) -> tuple[str, np.ndarray] | None:
     """A quantized tensor's bytes (N, row bytes) -> (kernel format, its bytes (N, K/32 * block
-    bytes)); None for a type with no exact kernel form."""
+    bytes)); None for a type with no exact kernel form. as_stored=False: Q4_K and Q6_K in the
+    per-block forms they were once served in (q4_1, q6_16: 5 and 7 bits a weight), for
+    comparisons."""
     import gguf
 
     qt = gguf.GGMLQuantizationType
@@ -110,6 +116,10 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarra
         b = data.reshape(n, k // 32, 24)
         out = np.concatenate([b[..., 0:4], _q5(b, 4).astype(np.uint8)], axis=-1)
         return "q8_1", out.reshape(n, -1)
+    if kind == qt.Q4_K and as_stored:
+        return "q4_k", data
+    if kind == qt.Q6_K and as_stored:
+        return "q6_k", data
     if kind in (qt.Q4_K, qt.Q5_K):
         per = 144 if kind == qt.Q4_K else 176
         b = data.reshape(n, k // QK_K, per)
@@ -143,7 +153,7 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int) -> tuple[str, np.ndarra
 # The kernel format each GGML type is read into (`convert`); any other is dequantized to float.
 _KERNEL_FORMATS = {"F32": "float", "F16": "float", "BF16": "float", "Q4_0": "q4_0",
                    "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q8_1",
-                   "Q4_K": "q4_1", "Q5_K": "q8_1", "Q6_K": "q6_16"}
+                   "Q4_K": "q4_k", "Q5_K": "q8_1", "Q6_K": "q6_k"}
 
 
 def kernel_format(t: Any) -> str:
@@ -160,7 +170,8 @@ class Blocks:
     @property
     def kind(self) -> str:
         """What torch's packed layers can take: "int4" (q4_x), "int8" (q8_0), else "float"."""
-        return {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8"}.get(self.fmt, "float")
+        return {"q4_0": "int4", "q4_1": "int4", "q4_k": "int4", "q8_0": "int8"}.get(self.fmt,
+                                                                                   "float")
 
     def take_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.fmt, self.raw[order], self.n, self.k)
@@ -178,6 +189,12 @@ class Blocks:
     def codes_scales(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """int4: codes 0..15 (N, K), scale and zero (N, K/32), w = (q - 8) * scale + zero;
         int8: codes (N, K), scale (N, K/32), w = q * scale."""
+        if self.fmt == "q4_k":  # per 32: scale d*sc, zero -dmin*mn + 8*scale (w = (q-8)s + z)
+            sb = torch.from_numpy(np.ascontiguousarray(self.raw)).view(self.n, -1, 144)
+            sc, mn = (t.numpy().astype(np.float32) for t in int_dot.k4_scales(sb))
+            s = (_f16(self.raw.reshape(self.n, -1, 144), 0)[..., None] * sc).reshape(self.n, -1)
+            m = (_f16(self.raw.reshape(self.n, -1, 144), 2)[..., None] * mn).reshape(self.n, -1)
+            return int_dot.k4_codes(sb).reshape(self.n, -1).numpy(), s, 8 * s - m
         b = self.raw.reshape(self.n, self.k // 32, -1)
         d = _f16(b, 0)
         if self.fmt == "q8_0":

@@ -30,7 +30,8 @@ from typing import Any
 ALL = 1 << 62  # a route's bound: every row count above the previous route's
 # How a GGUF block format reaches torch's packed kernels (Q5_0 as Q8_0 codes: Blocks.packable);
 # the others have none (the integer-dot kernel serves them, or a float copy where it cannot).
-TORCH_KIND = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8_groups", "q5_0": "int8_groups"}
+TORCH_KIND = {"q4_0": "int4", "q4_1": "int4", "q4_k": "int4", "q8_0": "int8_groups",
+              "q5_0": "int8_groups"}
 NATIVE_CHUNKED_ROWS = 32  # q8 without a copy: up to this many rows, 8 at a time; then dequantize
 
 

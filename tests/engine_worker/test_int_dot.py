@@ -1,6 +1,7 @@
 """The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
-and Q8_0 weights made by the `gguf` package, and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K
-and Q6_K are rewritten to, and Q6_K's codes as 8 bits): equal to the Q8-activation reference
+and Q8_0 weights made by the `gguf` package, Q4_K and Q6_K super-blocks as stored (q4_k, q6_k),
+and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K are rewritten to, Q6_K's codes in 7 bits and
+as 8 bits): equal to the Q8-activation reference
 within float32 accumulation, within the activations' 8-bit rounding of the float truth, the
 same bits for a row alone or in a batch, clear errors on bad input, and the ISA path the build
 was capped to.
@@ -28,15 +29,26 @@ from tests.engine_worker.kquant_factory import quantize
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
 SOURCE = {"q8_1": Q.Q5_1, "q6_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
+KQUANTS = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K}  # served as stored: K a multiple of 256
 ROWS = (1, 2, 3, 4, 7, 8, 16, 67)  # 67: more than one group of 64 rows
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
 
 
+def _k(fmt: str, k: int) -> int:
+    """The test's K for this format: the K-quants' rounded up to whole super-blocks of 256."""
+    return -(-k // int_dot.SUPER) * int_dot.SUPER if fmt in KQUANTS else k
+
+
 @cache
 def _weights(fmt: str, n: int, k: int) -> np.ndarray:
-    """Block bytes (N, K/32 * block bytes) of random weights, quantized by gguf (our own forms:
-    random codes and scales, as K need not be a multiple of Q6_K's 256)."""
+    """Block bytes (N, K/32 * block bytes) of random weights, quantized by gguf (the K-quants by
+    the tests' reference quantizer; our own forms: random codes and scales, as K need not be a
+    multiple of Q6_K's 256)."""
+    if fmt in KQUANTS:
+        w = np.random.default_rng(n * 7919 + k).standard_normal((n, k)).astype(np.float32)
+        w[:, :32] += 0.7
+        return quantize(w, KQUANTS[fmt])
     if fmt not in QTYPES:
         return _random_blocks(fmt, n, k, n * 7919 + k)
     rng = np.random.default_rng(n * 7919 + k + len(fmt))
@@ -56,10 +68,14 @@ def test_dequantize_equals_gguf() -> None:
         raw = _weights(fmt, 40, 96)
         want = torch.from_numpy(gguf.quants.dequantize(raw, QTYPES[fmt])).double()
         assert torch.equal(int_dot.dequantize(fmt, raw, 40, 96), want)
+    for fmt, qtype in KQUANTS.items():  # served as stored: the file's weights exactly
+        raw = _weights(fmt, 40, 512)
+        want = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
+        assert torch.equal(int_dot.dequantize(fmt, raw, 40, 512), want)
     for fmt, qtype in SOURCE.items():  # rewritten from a GGML type: within fp16 scale rounding
         w = np.random.default_rng(3).standard_normal((40, 256)).astype(np.float32)
         raw = quantize(w, qtype)
-        got_fmt, ours = convert(qtype, raw, 40, 256)  # type: ignore[misc]
+        got_fmt, ours = convert(qtype, raw, 40, 256, as_stored=False)  # type: ignore[misc]
         want = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
         assert got_fmt == fmt
         torch.testing.assert_close(int_dot.dequantize(fmt, ours, 40, 256), want, rtol=2e-3,
@@ -80,7 +96,7 @@ def test_q6_16_gives_q8_16s_bits_in_fewer_bytes(int_dot_kernel: None, rows: int)
     float steps are the same, on every ISA path; and the matrix is 7/9 of the bytes."""
     n, k = 200, 256
     w = np.random.default_rng(rows).standard_normal((n, k)).astype(np.float32)
-    fmt, raw = convert(Q.Q6_K, quantize(w, Q.Q6_K), n, k)  # type: ignore[misc]
+    fmt, raw = convert(Q.Q6_K, quantize(w, Q.Q6_K), n, k, as_stored=False)  # type: ignore[misc]
     assert fmt == "q6_16"
     p6, p8 = int_dot.pack("q6_16", raw, n, k), int_dot.pack("q8_16", _as_q8_16(raw, n, k), n, k)
     assert torch.equal(int_dot.dequantize("q6_16", raw, n, k),
@@ -124,6 +140,7 @@ def test_activation_quantizer_is_the_references(int_dot_kernel: None) -> None:
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
 def test_kernel_equals_q8_reference(int_dot_kernel: None, fmt: str, n: int, k: int,
                                     rows: int) -> None:
+    k = _k(fmt, k)
     raw = _weights(fmt, n, k)
     x = _x(rows, k, rows * 31 + n)
     y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
@@ -147,7 +164,7 @@ def test_kernel_equals_q8_reference(int_dot_kernel: None, fmt: str, n: int, k: i
 
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
 def test_row_result_does_not_depend_on_the_batch(int_dot_kernel: None, fmt: str) -> None:
-    n, k = 108, 160  # 14 tiles of 8 rows, the last one partial
+    n, k = 108, _k(fmt, 160)  # 14 tiles of 8 rows, the last one partial
     raw = _weights(fmt, n, k)
     p = int_dot.pack(fmt, raw, n, k)
     x = _x(16, k, 5)
@@ -160,13 +177,16 @@ def test_row_result_does_not_depend_on_the_batch(int_dot_kernel: None, fmt: str)
 
 def test_zero_rows_give_zeros_and_nan_stays_in_its_row(int_dot_kernel: None) -> None:
     for fmt in int_dot.FORMATS:
-        p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
-        assert not int_dot.mm(p, torch.zeros(3, 64)).any()
-        x = _x(3, 64, 2)
+        k = _k(fmt, 64)
+        p = int_dot.pack(fmt, _weights(fmt, 96, k), 96, k)
+        assert not int_dot.mm(p, torch.zeros(3, k)).any()
+        x = _x(3, k, 2)
         x[0, 40], x[2, 3] = float("nan"), float("inf")
         y = int_dot.mm(p, x)
         assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
         assert torch.equal(y[1], int_dot.mm(p, x[1:2].contiguous())[0])
+    x = _x(3, 64, 2)
+    x[0, 40], x[2, 3] = float("nan"), float("inf")
     codes, d, _ = int_dot.quantize_q8(x)
     got = torch.ops.kestrel.int_dot_quantize_q8(x)
     assert torch.equal(got[0], codes) and not codes[0, 32:64].any()
@@ -201,7 +221,16 @@ def test_bad_input_raises_clear_errors(int_dot_kernel: None) -> None:
     with pytest.raises(ValueError, match="uint8"):
         int_dot.pack_q8_0(np.zeros((8, 34), np.int8), 8, 32)
     with pytest.raises(ValueError, match="unknown format"):
-        int_dot.pack("q6_k", raw, 96, 64)
+        int_dot.pack("q3_k", raw, 96, 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        int_dot.pack_q4_k(raw, 96, 64)
+    pk = int_dot.pack_q4_k(_weights("q4_k", 96, 256), 96, 256)
+    with pytest.raises(RuntimeError, match="m must be"):  # Q4_K's scales are bytes
+        torch.ops.kestrel.int_dot_q4_k(torch.randn(1, 256), pk.qs, pk.d, pk.m.view(torch.int8),
+                                       96)
+    with pytest.raises(RuntimeError, match="d must be"):  # d per super-block, not per block
+        torch.ops.kestrel.int_dot_q4_k(torch.randn(1, 256), pk.qs,
+                                       pk.d.repeat_interleave(8, 1), pk.m, 96)
 
 
 def test_isa_is_the_capped_one(int_dot_kernel: None) -> None:
@@ -226,6 +255,12 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """Random GGUF bytes straight from numpy (codes over their whole range, Q8_0's -128 too,
     scales small fp16): no quantizer in between whose rounding could change."""
     rng = np.random.default_rng(seed)
+    if fmt in KQUANTS:  # super-blocks: their fp16 scales small and finite
+        b = rng.integers(0, 256, (n, k // 256, int_dot.SUPER_BYTES[fmt]), dtype=np.uint8)
+        for at in (0, 2) if fmt == "q4_k" else (208,):
+            b[..., at:at + 2] = rng.uniform(1e-3, 0.1, (n, k // 256, 1)).astype(
+                np.float16).view(np.uint8)
+        return b.reshape(n, -1)
     b = rng.integers(0, 256, (n, k // 32, int_dot.BLOCK_BYTES[fmt]), dtype=np.uint8)
     b[..., :2] = rng.uniform(1e-3, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
     if fmt in ("q4_1", "q8_1"):
@@ -246,6 +281,10 @@ GOLDEN = {
     "q8_16": "02bc03db0513341670a2e4cfa9149f224a9eeb0fedce2fd83e651aad451cf0eb",
     "q5_0": "768ea19786f9cd7ea8711c6ff773fe90c45546edb34a8b5869a4f4f6fadea022",
     "q6_16": "07763e3062010aa592fe533d71bcd2964281018751d18409919ad3e0f8342e8e",
+    # (these two: checked from AVX512-VNNI, AVX2 (-march=x86-64-v3) and scalar (-march=x86-64)
+    # builds on an AMD EPYC Zen 4)
+    "q4_k": "c5b4dabc926c1e6758bb691d86d0297010706a95320e65367d20a497bf5ecc25",
+    "q6_k": "208e859b71cdb4d4ae49188d7af1ec162e7a064313b884d6c60c9af577826c63",
 }
 
 
@@ -254,7 +293,7 @@ def test_same_bits_on_every_isa(int_dot_kernel: None, fmt: str) -> None:
     """Integer sums are exact and every path takes the same float steps per output: the result's
     bytes are fixed, whichever instructions this host's build uses. n = 200: 25 tiles, so the
     two-tile 512-bit path and its one-tile remainder both run."""
-    n, k = 200, 96
+    n, k = 200, _k(fmt, 96)
     raw = _random_blocks(fmt, n, k, 11)
     x = torch.from_numpy(np.random.default_rng(12).standard_normal((5, k)).astype(np.float32))
     y = int_dot.mm(int_dot.pack(fmt, raw, n, k), x)
@@ -265,8 +304,9 @@ def test_same_bits_on_every_isa(int_dot_kernel: None, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", int_dot.FORMATS)
 def test_ops_pass_torch_opcheck(int_dot_kernel: None, fmt: str) -> None:
     """Schema, shape-only (fake) version for torch.compile, and dispatch registrations."""
-    p = int_dot.pack(fmt, _weights(fmt, 96, 64), 96, 64)
-    x = _x(3, 64, 0)
+    k = _k(fmt, 64)
+    p = int_dot.pack(fmt, _weights(fmt, 96, k), 96, k)
+    x = _x(3, k, 0)
     args = (x, p.qs, p.d, p.m, p.n) if p.m is not None else (x, p.qs, p.d, p.n)
     torch.library.opcheck(getattr(torch.ops.kestrel, f"int_dot_{fmt}").default, args)
 
