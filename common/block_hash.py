@@ -1,7 +1,7 @@
 """The prefix-cache key of a full KV block, shared by the worker's block manager, the gateway's
 router and the simulated engine, so "the same prefix" means one thing everywhere.
 
-    h_0 = root(salt)            one root per prefix-cache tenant (gateway/admission/tenancy.py)
+    h_0 = root(salt)            one root per prefix-cache tenant (gateway/prompt/tenancy.py)
     h_i = SHA-256(h_{i-1} || tokens of block i as signed 64-bit ints)
 
 A key names the whole prefix up to and including its block, not just the block's own tokens.
