@@ -26,6 +26,8 @@ the activations' 8-bit rounding.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
@@ -37,25 +39,13 @@ from engine_worker.kernel_build import KernelUnavailable, load_kernel
 
 BLOCK = 32  # inputs per quantization block
 TILE = 8  # output rows interleaved per packed block
-# bytes per block of 32: GGUF's own, and ours (fp16 d, fp16 m or second d, 32 int8 codes; q6_16:
-# two fp16 d, 16 bytes of low nibbles in Q4_x order, 8 bytes of the codes' top two bits:
-# byte c, bits 2j..2j+1: element 4j+c's; byte 4+c: element 16+4j+c's)
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q8_1": 36, "q8_16": 36, "q5_0": 22,
-               "q6_16": 28}
-# The K-quants as the GGUF stores them, super-blocks of 256 inputs: bytes per super-block.
-# q4_k: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles;
-# w = d*sc*q - dmin*min per block of 32. q6_k: 128 bytes of low nibbles, 64 of top-two-bit
-# pairs, 16 int8 scales (one per 16 inputs), fp16 d; w = d*sc*(q - 32).
-SUPER = 256
-SUPER_BYTES = {"q4_k": 144, "q6_k": 210}
-THIRD = ("q4_1", "q8_1", "q4_k", "q6_k")  # formats whose op takes a third tensor, m
+SUPER = 256  # inputs per K-quant super-block
 LAYOUT = 1  # the packers' output layout; bump when any packer's changes (block caches key by it)
-FORMATS = (*BLOCK_BYTES, *SUPER_BYTES)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
            "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q5_0", "pack_q6_k",
            "pack_q6_16", "pack_q8_0", "pack_q8_1", "pack_q8_16", "quantize_q8", "reference_mm",
-           "row_bytes"]
+           "row_bytes", "FORMAT_TABLE", "WeightFormat", "register"]
 
 
 class Packed(NamedTuple):
@@ -75,15 +65,14 @@ class Packed(NamedTuple):
 
 def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one row of K inputs in `fmt`."""
-    if fmt in SUPER_BYTES:
-        return k // SUPER * SUPER_BYTES[fmt]
-    return k // BLOCK * BLOCK_BYTES[fmt]
+    f = FORMAT_TABLE[fmt]
+    return k // f.unit * f.unit_bytes
 
 
 def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     """The GGUF bytes as uint8 (N, K/32, block bytes) (the K-quants: (N, K/256, super-block
     bytes)), checked."""
-    unit = SUPER if fmt in SUPER_BYTES else BLOCK
+    unit = FORMAT_TABLE[fmt].unit
     if k <= 0 or k % unit or n <= 0:
         raise ValueError(f"{fmt}: need N >= 1 and K a positive multiple of {unit}, got N={n}, "
                          f"K={k}")
@@ -99,9 +88,7 @@ def _blocks(raw: np.ndarray | torch.Tensor, fmt: str, n: int, k: int) -> torch.T
     if tuple(t.shape) != want:
         raise ValueError(f"{fmt}: raw blocks must have shape {want} for N={n}, K={k}, "
                          f"got {tuple(t.shape)}")
-    if fmt in SUPER_BYTES:
-        return t.contiguous().view(n, k // SUPER, SUPER_BYTES[fmt])
-    return t.contiguous().view(n, k // BLOCK, BLOCK_BYTES[fmt])
+    return t.contiguous().view(n, k // unit, FORMAT_TABLE[fmt].unit_bytes)
 
 
 def _half(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -247,9 +234,153 @@ def pack_q6_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     return Packed("q6_k", n, k, qs.contiguous(), _per_super(_half(b, 208), n), m.contiguous())
 
 
-PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0, "q8_1": pack_q8_1,
-           "q8_16": pack_q8_16, "q5_0": pack_q5_0, "q6_16": pack_q6_16, "q4_k": pack_q4_k,
-           "q6_k": pack_q6_k}
+def _nibble_codes(nib: torch.Tensor) -> torch.Tensor:
+    """16 bytes of Q4_x nibbles (..., 16) -> codes (..., 32): elements 0..15, then 16..31."""
+    return torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.int32)
+
+
+def _per_half(b: torch.Tensor) -> torch.Tensor:
+    """Two fp16 scales at bytes 0 and 2 of each block -> float64 (N, B, 32), one per 16."""
+    return torch.cat([_half(b, 0).double()[..., None].expand(-1, -1, 16),
+                      _half(b, 2).double()[..., None].expand(-1, -1, 16)], -1)
+
+
+# Each dequantizer: blocks (N, K/unit, unit bytes) and whether to add the offset formats' m ->
+# the weights as float64 (N, K/unit, unit).
+def _dq_q4_0(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    return _half(b, 0).double()[..., None] * (_nibble_codes(b[..., 2:]) - 8)
+
+
+def _dq_q4_1(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    w = _half(b, 0).double()[..., None] * _nibble_codes(b[..., 4:])
+    return w + _half(b, 2).double()[..., None] if offset else w
+
+
+def _dq_q8_0(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    return _half(b, 0).double()[..., None] * b[..., 2:].contiguous().view(torch.int8)
+
+
+def _dq_q5_0(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    qh = b[..., 2:6].contiguous().view(torch.int32)  # (N, B, 1): bit e is element e's
+    bits = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
+    return _half(b, 0).double()[..., None] * ((_nibble_codes(b[..., 6:]) | (bits << 4)) - 16)
+
+
+def _dq_q8_1(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    w = _half(b, 0).double()[..., None] * b[..., 4:].contiguous().view(torch.int8)
+    return w + _half(b, 2).double()[..., None] if offset else w
+
+
+def _dq_q8_16(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    return _per_half(b) * b[..., 4:].contiguous().view(torch.int8)
+
+
+def _dq_q6_16(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    return _per_half(b) * (q6_codes(b) - 32)
+
+
+def _dq_q4_k(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    sc, mn = k4_scales(b)  # (N, S, 8)
+    w = (_half(b, 0).double()[..., None] * sc).reshape(b.shape[0], -1, 1) * k4_codes(b)
+    if offset:
+        w = w - (_half(b, 2).double()[..., None] * mn).reshape(b.shape[0], -1, 1)
+    return w.reshape(*b.shape[:2], SUPER)
+
+
+def _dq_q6_k(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    sc = b[..., 192:208].contiguous().view(torch.int8)  # (N, S, 16): one per 16 inputs
+    scale = (_half(b, 208).double()[..., None] * sc).reshape(b.shape[0], -1, 1)
+    q = (k6_codes(b) - 32).reshape(b.shape[0], -1, 16)
+    return (scale * q).reshape(*b.shape[:2], SUPER)
+
+
+# Each int4 row's codes for torch's packed INT4 layers: blocks -> codes 0..15 (N, K), scale and
+# zero float32 (N, K/32) with w = (q - 8) * scale + zero; q8_0's: codes (N, K), scale, None.
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _codes_q4_0(b: torch.Tensor) -> Codes:
+    d = _half(b, 0).float()
+    return _nibble_codes(b[..., 2:]).reshape(b.shape[0], -1), d, torch.zeros_like(d)
+
+
+def _codes_q4_1(b: torch.Tensor) -> Codes:
+    d = _half(b, 0).float()
+    return _nibble_codes(b[..., 4:]).reshape(b.shape[0], -1), d, _half(b, 2).float() + 8 * d
+
+
+def _codes_q4_k(b: torch.Tensor) -> Codes:
+    sc, mn = k4_scales(b)
+    s = (_half(b, 0).float()[..., None] * sc).reshape(b.shape[0], -1)
+    m = (_half(b, 2).float()[..., None] * mn).reshape(b.shape[0], -1)
+    return k4_codes(b).reshape(b.shape[0], -1), s, 8 * s - m
+
+
+def _codes_q8_0(b: torch.Tensor) -> Codes:
+    return b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), \
+        _half(b, 0).float(), None
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One weight format of the integer-dot path: all the Python side knows of it. A new format
+    is one kernel (an op kestrel::int_dot_<name>: x, qs, d[, m], n -> y) and one row here."""
+
+    name: str
+    unit: int  # inputs per block of its bytes (32; a K-quant's super-block, 256)
+    unit_bytes: int  # bytes per unit
+    pack: Callable[[np.ndarray | torch.Tensor, int, int], Packed]
+    dequantize: Callable[[torch.Tensor, bool], torch.Tensor]
+    third: bool = False  # the op takes a third tensor, m
+    ggml: str = ""  # the GGML type whose bytes these are as stored ("": a rewritten form)
+    codes: Callable[[torch.Tensor], Codes] | None = None  # for torch's packed layers
+    torch_kind: str = ""  # the packed layer torch serves it by (matmul_plan's kinds), if any
+    packs_as: str = ""  # a format torch's layers take it as, rewritten (Blocks.packable)
+
+
+FORMAT_TABLE: dict[str, WeightFormat] = {f.name: f for f in (
+    # the GGUF's own blocks of 32: fp16 d (and m), then the codes
+    WeightFormat("q4_0", BLOCK, 18, pack_q4_0, _dq_q4_0, ggml="Q4_0", codes=_codes_q4_0,
+                 torch_kind="int4"),
+    WeightFormat("q4_1", BLOCK, 20, pack_q4_1, _dq_q4_1, third=True, ggml="Q4_1",
+                 codes=_codes_q4_1, torch_kind="int4"),
+    WeightFormat("q8_0", BLOCK, 34, pack_q8_0, _dq_q8_0, ggml="Q8_0", codes=_codes_q8_0,
+                 torch_kind="int8_groups"),
+    WeightFormat("q5_0", BLOCK, 22, pack_q5_0, _dq_q5_0, ggml="Q5_0",
+                 torch_kind="int8_groups", packs_as="q8_0"),
+    # the K-quants as stored, super-blocks of 256 (see pack_q4_k, pack_q6_k)
+    WeightFormat("q4_k", SUPER, 144, pack_q4_k, _dq_q4_k, third=True, ggml="Q4_K",
+                 codes=_codes_q4_k, torch_kind="int4"),
+    WeightFormat("q6_k", SUPER, 210, pack_q6_k, _dq_q6_k, third=True, ggml="Q6_K"),
+    # forms other types are rewritten to (model/ggml_types.py): fp16 d, fp16 m or a second d,
+    # then the codes: 32 bytes; q6_16: 16 bytes of low nibbles in Q4_x order, 8 bytes of the
+    # codes' top two bits (byte c, bits 2j..2j+1: element 4j+c's; byte 4+c: element 16+4j+c's)
+    WeightFormat("q8_1", BLOCK, 36, pack_q8_1, _dq_q8_1, third=True),
+    WeightFormat("q8_16", BLOCK, 36, pack_q8_16, _dq_q8_16),
+    WeightFormat("q6_16", BLOCK, 28, pack_q6_16, _dq_q6_16),
+)}
+FORMATS = tuple(FORMAT_TABLE)  # the built-in formats
+BLOCK_BYTES = {f.name: f.unit_bytes for f in FORMAT_TABLE.values() if f.unit == BLOCK}
+SUPER_BYTES = {f.name: f.unit_bytes for f in FORMAT_TABLE.values() if f.unit == SUPER}
+
+
+def register(f: WeightFormat) -> None:
+    """Add a format (its kernel registered as kestrel::int_dot_<name>, with its fake)."""
+    if f.name in FORMAT_TABLE:
+        raise ValueError(f"weight format {f.name!r} is already registered")
+    FORMAT_TABLE[f.name] = f
+
+
+def unregister(name: str) -> None:
+    """Remove a format `register` added (the built-in ones stay)."""
+    if name in FORMATS:
+        raise ValueError(f"{name!r} is a built-in weight format")
+    FORMAT_TABLE.pop(name, None)
+
+
+def stored_as(ggml: str) -> WeightFormat | None:
+    """The format serving a GGML type's bytes as they are stored, if one does."""
+    return next((f for f in FORMAT_TABLE.values() if f.ggml == ggml), None)
 
 
 def q6_codes(b: torch.Tensor) -> torch.Tensor:
@@ -263,9 +394,9 @@ def q6_codes(b: torch.Tensor) -> torch.Tensor:
 
 
 def pack(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
-    if fmt not in PACKERS:
-        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    return PACKERS[fmt](raw, n, k)
+    if fmt not in FORMAT_TABLE:
+        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMAT_TABLE)}")
+    return FORMAT_TABLE[fmt].pack(raw, n, k)
 
 
 def pack_fused(fmt: str, raws: list[np.ndarray | torch.Tensor], k: int) -> Packed:
@@ -288,7 +419,7 @@ def _register_fake() -> None:
 
     for fmt in FORMATS:
         torch.library.register_fake(f"kestrel::int_dot_{fmt}")(
-            fake_offset if fmt in THIRD else fake)
+            fake_offset if FORMAT_TABLE[fmt].third else fake)
 
 
 def load(cache_dir: str | Path | None = None) -> None:
@@ -310,7 +441,7 @@ def isa() -> str:
 
 def mm(p: Packed, x: torch.Tensor) -> torch.Tensor:
     """y (M, N) float32 = x (M, K) float32 @ W^T through the kernel (load() first)."""
-    if p.fmt in THIRD:
+    if FORMAT_TABLE[p.fmt].third:
         return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.m, p.n)
     return getattr(torch.ops.kestrel, f"int_dot_{p.fmt}")(x, p.qs, p.d, p.n)
 
@@ -338,45 +469,7 @@ def dequantize(fmt: str, raw: np.ndarray | torch.Tensor, n: int, k: int,
     """The weights as float64 (N, K). offset=False leaves out the offset formats' m (the part of
     w that the kernel takes through the activations' code sums)."""
     b = _blocks(raw, fmt, n, k)
-    if fmt == "q4_k":
-        sc, mn = k4_scales(b)  # (N, S, 8)
-        scale = (_half(b, 0).double()[..., None] * sc).reshape(n, -1, 1)
-        w = scale * k4_codes(b).double()
-        if offset:
-            w = w - (_half(b, 2).double()[..., None] * mn).reshape(n, -1, 1)
-        return w.reshape(n, k)
-    if fmt == "q6_k":
-        sc = b[..., 192:208].contiguous().view(torch.int8).double()  # (N, S, 16)
-        scale = (_half(b, 208).double()[..., None] * sc).reshape(n, -1, 1)
-        q = (k6_codes(b) - 32).double().reshape(n, -1, 16)
-        return (scale * q).reshape(n, k)
-    d = _half(b, 0).double()[..., None]
-    if fmt == "q8_0":
-        w = d * b[..., 2:].contiguous().view(torch.int8).double()
-    elif fmt == "q5_0":
-        nib = b[..., 6:]
-        low = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.int32)  # (N, B, 32)
-        qh = b[..., 2:6].contiguous().view(torch.int32)  # (N, B, 1): bit e is element e's
-        bits = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
-        w = d * ((low | (bits << 4)) - 16).double()
-    elif fmt in ("q8_1", "q8_16", "q6_16"):
-        if fmt == "q6_16":
-            q = (q6_codes(b) - 32).double()
-        else:
-            q = b[..., 4:].contiguous().view(torch.int8).double()  # (N, B, 32)
-        if fmt != "q8_1":
-            d = torch.cat([d.expand(-1, -1, 16), _half(b, 2).double()[..., None].expand(
-                -1, -1, 16)], -1)
-        w = d * q
-        if fmt == "q8_1" and offset:
-            w = w + _half(b, 2).double()[..., None]
-    else:
-        nib = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
-        q = torch.cat([nib & 0x0F, nib >> 4], -1).double()  # elements 0..15, then 16..31
-        w = d * (q - 8) if fmt == "q4_0" else d * q
-        if fmt == "q4_1" and offset:
-            w = w + _half(b, 2).double()[..., None]
-    return w.reshape(n, k)
+    return FORMAT_TABLE[fmt].dequantize(b, offset).double().reshape(n, k)
 
 
 def reference_mm(fmt: str, x: torch.Tensor, raw: np.ndarray | torch.Tensor, n: int,

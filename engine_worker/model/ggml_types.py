@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from engine_worker import int_dot
@@ -98,28 +97,20 @@ def q6_body(q: np.ndarray) -> np.ndarray:
 def convert(kind: Any, data: np.ndarray, n: int, k: int,
             as_stored: bool = True) -> tuple[str, np.ndarray] | None:
     """A quantized tensor's bytes (N, row bytes) -> (kernel format, its bytes (N, K/32 * block
-    bytes)); None for a type with no exact kernel form. as_stored=False: Q4_K and Q6_K in the
-    per-block forms they were once served in (q4_1, q6_16: 5 and 7 bits a weight), for
+    bytes)); None for a type with no exact kernel form. as_stored=False: the types a format
+    serves as stored but that have a rewritten form too (Q4_K and Q6_K in the per-block forms
+    they were once served in, q4_1 and q6_16: 5 and 7 bits a weight) in that form, for
     comparisons."""
     import gguf
 
     qt = gguf.GGMLQuantizationType
-    if kind == qt.Q4_0:
-        return "q4_0", data
-    if kind == qt.Q4_1:
-        return "q4_1", data
-    if kind == qt.Q8_0:
-        return "q8_0", data
-    if kind == qt.Q5_0:
-        return "q5_0", data
+    stored = int_dot.stored_as(kind.name)
+    if stored is not None and as_stored:
+        return stored.name, data
     if kind == qt.Q5_1:
         b = data.reshape(n, k // 32, 24)
         out = np.concatenate([b[..., 0:4], _q5(b, 4).astype(np.uint8)], axis=-1)
         return "q8_1", out.reshape(n, -1)
-    if kind == qt.Q4_K and as_stored:
-        return "q4_k", data
-    if kind == qt.Q6_K and as_stored:
-        return "q6_k", data
     if kind in (qt.Q4_K, qt.Q5_K):
         per = 144 if kind == qt.Q4_K else 176
         b = data.reshape(n, k // QK_K, per)
@@ -147,18 +138,19 @@ def convert(kind: Any, data: np.ndarray, n: int, k: int,
         head = np.concatenate([_h(ds[..., 0]), _h(ds[..., 1])], axis=-1)
         return "q6_16", np.concatenate([head, q6_body(q.reshape(n, -1, 32))],
                                        axis=-1).reshape(n, -1)
-    return None
+    return None if stored is None else (stored.name, data)
 
 
-# The kernel format each GGML type is read into (`convert`); any other is dequantized to float.
-_KERNEL_FORMATS = {"F32": "float", "F16": "float", "BF16": "float", "Q4_0": "q4_0",
-                   "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q8_1",
-                   "Q4_K": "q4_k", "Q5_K": "q8_1", "Q6_K": "q6_k"}
+# The GGML types `convert` rewrites into a kernel format (the others a format serves as stored:
+# int_dot.FORMAT_TABLE; any other is dequantized to float).
+_REWRITTEN = {"Q5_1": "q8_1", "Q5_K": "q8_1"}
 
 
 def kernel_format(t: Any) -> str:
     """The format `read_tensor` gives a GGUFReader tensor, without reading its data."""
-    return _KERNEL_FORMATS.get(t.tensor_type.name, "float")
+    name = t.tensor_type.name
+    stored = int_dot.stored_as(name)
+    return stored.name if stored is not None else _REWRITTEN.get(name, "float")
 
 
 class Blocks:
@@ -170,8 +162,10 @@ class Blocks:
     @property
     def kind(self) -> str:
         """What torch's packed layers can take: "int4" (q4_x), "int8" (q8_0), else "float"."""
-        return {"q4_0": "int4", "q4_1": "int4", "q4_k": "int4", "q8_0": "int8"}.get(self.fmt,
-                                                                                   "float")
+        f = int_dot.FORMAT_TABLE.get(self.fmt)
+        if f is None or f.codes is None:
+            return "float"
+        return "int4" if f.torch_kind == "int4" else "int8"
 
     def take_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.fmt, self.raw[order], self.n, self.k)
@@ -179,8 +173,10 @@ class Blocks:
     def packable(self) -> Blocks:
         """These blocks in a format torch's packed kernels take where one holds them exactly
         (Q5_0 as Q8_0: codes q - 16, the same d); else themselves."""
-        if self.fmt != "q5_0":
+        f = int_dot.FORMAT_TABLE.get(self.fmt)
+        if f is None or not f.packs_as:
             return self
+        assert self.fmt == "q5_0" and f.packs_as == "q8_0"  # the one format rewritten for torch
         b = self.raw.reshape(self.n, self.k // 32, 22)
         codes = (_q5(b, 2).astype(np.int16) - 16).astype(np.int8)
         out = np.concatenate([b[..., 0:2], codes.view(np.uint8)], axis=-1)
@@ -188,21 +184,13 @@ class Blocks:
 
     def codes_scales(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """int4: codes 0..15 (N, K), scale and zero (N, K/32), w = (q - 8) * scale + zero;
-        int8: codes (N, K), scale (N, K/32), w = q * scale."""
-        if self.fmt == "q4_k":  # per 32: scale d*sc, zero -dmin*mn + 8*scale (w = (q-8)s + z)
-            sb = torch.from_numpy(np.ascontiguousarray(self.raw)).view(self.n, -1, 144)
-            sc, mn = (t.numpy().astype(np.float32) for t in int_dot.k4_scales(sb))
-            s = (_f16(self.raw.reshape(self.n, -1, 144), 0)[..., None] * sc).reshape(self.n, -1)
-            m = (_f16(self.raw.reshape(self.n, -1, 144), 2)[..., None] * mn).reshape(self.n, -1)
-            return int_dot.k4_codes(sb).reshape(self.n, -1).numpy(), s, 8 * s - m
-        b = self.raw.reshape(self.n, self.k // 32, -1)
-        d = _f16(b, 0)
-        if self.fmt == "q8_0":
-            return b[..., 2:].copy().view(np.int8).reshape(self.n, -1), d, None
-        nib = b[..., -16:]
-        q = np.concatenate((nib & 0xF, nib >> 4), axis=-1).reshape(self.n, -1)
-        zero = _f16(b, 2) + 8 * d if self.fmt == "q4_1" else np.zeros_like(d)
-        return q, d, zero
+        int8: codes (N, K), scale (N, K/32), w = q * scale (the format's table row says how)."""
+        f = int_dot.FORMAT_TABLE[self.fmt]
+        assert f.codes is not None, f"{self.fmt} has no form torch's packed layers take"
+        b = torch.from_numpy(np.ascontiguousarray(self.raw)).view(self.n, self.k // f.unit,
+                                                                  f.unit_bytes)
+        q, scale, zero = f.codes(b)
+        return q.numpy(), scale.numpy(), None if zero is None else zero.numpy()
 
     def floats(self) -> np.ndarray:
         """The float32 (N, K) matrix these blocks stand for."""

@@ -27,11 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine_worker import int_dot
+
 ALL = 1 << 62  # a route's bound: every row count above the previous route's
-# How a GGUF block format reaches torch's packed kernels (Q5_0 as Q8_0 codes: Blocks.packable);
-# the others have none (the integer-dot kernel serves them, or a float copy where it cannot).
-TORCH_KIND = {"q4_0": "int4", "q4_1": "int4", "q4_k": "int4", "q8_0": "int8_groups",
-              "q5_0": "int8_groups"}
+
+
+def torch_kind(fmt: str) -> str:
+    """How a GGUF block format reaches torch's packed kernels (its table row's torch_kind; Q5_0
+    as Q8_0 codes: Blocks.packable); "float" for the others (the integer-dot kernel serves
+    them, or a float copy where it cannot)."""
+    f = int_dot.FORMAT_TABLE.get(fmt)
+    return f.torch_kind if f is not None and f.torch_kind else "float"
+
 NATIVE_CHUNKED_ROWS = 32  # q8 without a copy: up to this many rows, 8 at a time; then dequantize
 
 
@@ -100,12 +107,12 @@ class MatmulPlan:
         """The table a layer of this weight kind is built with. `kind`: a GGUF block format
         (q4_0, q8_0, q8_1, ...) or a float checkpoint's layer (float, int8, int4, int8_groups);
         `fits`: False for an INT4 layer whose rows torch's kernel cannot tile (not 16k)."""
-        gguf = kind.startswith("q")
+        gguf = kind in int_dot.FORMAT_TABLE
         if gguf and self.int_dot_all and self.on_cpu:
             return (Route(ALL, "int_dot"),)
         front = (Route(self.int_dot_rows, "int_dot"),) \
             if gguf and self.int_dot_rows and self.on_cpu else ()
-        behind = TORCH_KIND.get(kind, "float") if gguf else kind
+        behind = torch_kind(kind) if gguf else kind
         return _nonempty(front + self._packed(behind, head, fits))
 
     def _packed(self, kind: str, head: bool, fits: bool) -> tuple[Route, ...]:
