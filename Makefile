@@ -35,8 +35,8 @@ test: install
 # nothing on the CPU's vector units, where the caps change nothing (tokenizers read from GGUF
 # files, 45 s of the 4.5 min).
 AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KESTREL_CPU_ISA=avx2
-AVX2_SKIP := --ignore=tests/engine_worker/test_pretokenizer.py \
-	--deselect=tests/engine_worker/test_llama.py::test_gguf_metadata_folder_holds_no_weights
+AVX2_SKIP := --ignore=tests/engine_worker/model/test_pretokenizer.py \
+	--deselect=tests/engine_worker/model/test_llama.py::test_gguf_metadata_folder_holds_no_weights
 test-avx2: install
 	if grep -qw avx2 /proc/cpuinfo; then $(AVX2_CAPS) $(PY) -m pytest -q -n $(TEST_JOBS) \
 		--dist loadfile tests/engine_worker tests/e2e/test_batch_invariance.py $(AVX2_SKIP); \

@@ -177,3 +177,20 @@ def test_no_gateway_folder_holds_more_than_twenty_modules_and_tests_mirror_them(
     mirrored = {p.name for p in (ROOT / "tests" / "gateway").iterdir()
                 if p.is_dir() and p.name != "__pycache__"}
     assert len(subpackages) >= 4 and mirrored == subpackages, (subpackages, mirrored)
+
+
+def test_engine_worker_tests_mirror_its_subpackages() -> None:
+    """tests/engine_worker/ has a folder for each subpackage of engine_worker/ and no other
+    (issue 55), and a test named after a module of a subpackage (test_<module>.py, where
+    engine_worker/<sub>/<module>.py exists and engine_worker/<module>.py does not) is in that
+    subpackage's folder."""
+    package, tests = ROOT / "engine_worker", ROOT / "tests" / "engine_worker"
+    subpackages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    mirrored = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert len(subpackages) >= 2 and mirrored == subpackages, (subpackages, mirrored)
+    home = {p.stem: sub for sub in subpackages for p in (package / sub).glob("*.py")
+            if p.name != "__init__.py" and not (package / p.name).exists()}
+    misplaced = sorted(str(t.relative_to(ROOT)) for t in tests.rglob("test_*.py")
+                       if t.stem.removeprefix("test_") in home
+                       and t.parent != tests / home[t.stem.removeprefix("test_")])
+    assert not misplaced, misplaced

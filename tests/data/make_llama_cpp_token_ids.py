@@ -5,7 +5,7 @@
 LLAMA_TOKENIZE is llama.cpp's tools/tokenize binary (`cmake --build build --target
 llama-tokenize`). Each corpus string goes to it on stdin, verbatim (--no-escape), without a BOS,
 special tokens parsed as llama-server parses a prompt; the ids land under the GGUF's file name,
-next to the ids already there for other files. tests/engine_worker/test_pretokenizer.py checks
+next to the ids already there for other files. tests/engine_worker/model/test_pretokenizer.py checks
 that our tokenizer.json (save_gguf_tokenizer) gives the same ids.
 """
 

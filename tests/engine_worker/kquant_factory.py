@@ -1,7 +1,7 @@
 """Reference K-quant quantizers in numpy (the `gguf` package only dequantizes K-quants), for
 writing tiny test models as Q4_K, Q5_K and Q6_K GGUF files. Plain min/max rounding, not
 llama.cpp's searched scales: the blocks are valid in every bit and gguf's own dequantizer reads
-them back (tests/engine_worker/test_gguf_kquants.py checks it).
+them back (tests/engine_worker/model/test_gguf_kquants.py checks it).
 
     w float32 (N, K), K a multiple of 256 -> quantize(w, qtype) -> bytes uint8 (N, K/256 * size)
 """

@@ -28,7 +28,7 @@ from engine_worker.paged_attention import load_paged_attention, paged_decode_att
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
 from tests.engine_worker.greedy_run import greedy_tokens
-from tests.engine_worker.test_grouped_decode import gqa_config
+from tests.engine_worker.model.test_grouped_decode import gqa_config
 
 CPU = torch.device("cpu")
 

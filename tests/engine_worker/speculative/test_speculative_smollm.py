@@ -17,7 +17,7 @@ from engine_worker.speculative.decoder import SpecDecoder
 from engine_worker.speculative.draft import DraftModelProposer
 from engine_worker.speculative.ngram import NgramProposer
 from protocol import messages as m
-from tests.engine_worker.test_llama import chat_ids
+from tests.engine_worker.model.test_llama import chat_ids
 
 TIE = 1e-3
 TEXT = (

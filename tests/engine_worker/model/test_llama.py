@@ -28,7 +28,7 @@ from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from tests.numerics import assert_logits_close
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ from engine_worker.model.gguf_native import load_gguf_model
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.loader import embedded_gguf_path, load_config
 from engine_worker.model.matmul_plan import MatmulPlan
-from tests.engine_worker.test_gguf_native import PROMPT, _logits, tiny_gguf  # noqa: F401
+from tests.engine_worker.model.test_gguf_native import PROMPT, _logits, tiny_gguf  # noqa: F401
 from tests.numerics import MARGIN, top2_gap
 
 EXACT = MatmulPlan(use_kernel=False)  # every layer dequantizes: the file's float32 values

@@ -21,8 +21,8 @@ from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.probe_record import ProbeRecord
 from engine_worker.step_costs import StepCosts
 from tests.engine_worker.gguf_factory import write_state_gguf
-from tests.engine_worker.test_gguf_kquants import DIMS, PROMPT, VARIANTS
-from tests.engine_worker.test_gguf_native import _logits
+from tests.engine_worker.model.test_gguf_kquants import DIMS, PROMPT, VARIANTS
+from tests.engine_worker.model.test_gguf_native import _logits
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.weights import load_model
 from tests.engine_worker.gguf_factory import served_state, write_state_gguf
 from tests.engine_worker.kquant_factory import quantize
-from tests.engine_worker.test_gguf_native import _logits
+from tests.engine_worker.model.test_gguf_native import _logits
 from tests.numerics import MARGIN, top2_gap
 
 EXACT = MatmulPlan(use_kernel=False)  # every layer dequantizes: the file's float32 values

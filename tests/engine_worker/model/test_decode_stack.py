@@ -15,7 +15,7 @@ from engine_worker.model.config import ModelConfig
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
-from tests.engine_worker.test_gguf_kquants import PROMPT, family  # noqa: F401
+from tests.engine_worker.model.test_gguf_kquants import PROMPT, family  # noqa: F401
 
 # three sequences, block tables of 4 blocks of 16 slots each
 TABLES = [list(range(4 * i, 4 * i + 4)) for i in range(3)]

@@ -25,9 +25,9 @@ from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
 from tests.engine_worker.gguf_factory import write_state_gguf
-from tests.engine_worker.test_decode_stack import TABLES, _decode_both_ways
-from tests.engine_worker.test_gguf_kquants import DIMS
-from tests.engine_worker.test_gguf_native import _logits
+from tests.engine_worker.model.test_decode_stack import TABLES, _decode_both_ways
+from tests.engine_worker.model.test_gguf_kquants import DIMS
+from tests.engine_worker.model.test_gguf_native import _logits
 
 Q = gguf.GGMLQuantizationType
 TOY = "q5_1s"  # Q5_1's blocks as stored: fp16 d, fp16 m, 32 fifth bits, 16 bytes of nibbles

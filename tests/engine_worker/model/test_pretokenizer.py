@@ -23,7 +23,7 @@ from engine_worker.model.loader import embedded_gguf_path, save_gguf_tokenizer
 from engine_worker.model.tokenizer import tokenizer_info
 from tests.engine_worker.gguf_factory import finish
 
-DATA = json.loads((Path(__file__).parents[1] / "data" / "llama_cpp_token_ids.json")
+DATA = json.loads((Path(__file__).parents[2] / "data" / "llama_cpp_token_ids.json")
                   .read_text(encoding="utf-8"))
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
