@@ -5,7 +5,7 @@
 // views, the residual adds) than in the matmuls themselves.
 //
 // Per layer, the same ops in the same order as the Python layer, so that a row computed here is
-// bit for bit the row the Python layers compute (tests/engine_worker/test_decode_stack.py):
+// bit for bit the row the Python layers compute (tests/engine_worker/model/test_decode_stack.py):
 //
 //   h = rms_norm(x, w1)                          rms_norm_rows below (the norms call it too)
 //   qkv = int_dot(h) + bias                      kestrel::int_dot_<fmt> through the dispatcher
