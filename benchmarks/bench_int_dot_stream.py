@@ -30,7 +30,7 @@ from engine_worker import int_dot  # noqa: E402
 def blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     if fmt in int_dot.SUPER_BYTES:  # K-quant super-blocks: their fp16 scales made finite
         raw = rng.integers(0, 256, size=(n, k // 256, int_dot.SUPER_BYTES[fmt]), dtype=np.uint8)
-        at = (0, 2) if fmt == "q4_k" else (208,)
+        at = (208,) if fmt == "q6_k" else (0, 2)
         for a in at:
             raw[..., a:a + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         return raw.reshape(n, -1)

@@ -43,7 +43,8 @@ SUPER = 256  # inputs per K-quant super-block
 LAYOUT = 1  # the packers' output layout; bump when any packer's changes (block caches key by it)
 
 __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load", "mm", "pack",
-           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q5_0", "pack_q6_k",
+           "pack_fused", "pack_q4_0", "pack_q4_1", "pack_q4_k", "pack_q5_0", "pack_q5_k",
+           "pack_q6_k",
            "pack_q6_16", "pack_q8_0", "pack_q8_1", "pack_q8_16", "quantize_q8", "reference_mm",
            "row_bytes", "FORMAT_TABLE", "WeightFormat", "register"]
 
@@ -175,10 +176,14 @@ def k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def k4_codes(b: torch.Tensor) -> torch.Tensor:
-    """Q4_K super-blocks (N, S, 144) -> codes 0..15, int32 (N, S*8, 32) by block of 32: 32
-    bytes per 64 inputs, low nibbles the first 32, high nibbles the next."""
-    qs = b[..., 16:].to(torch.int32).reshape(*b.shape[:2], 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], -2)  # (N, S, 4, 2, 32)
+    """Q4_K (N, S, 144) or Q5_K (N, S, 176) super-blocks -> codes, int32 (N, S*8, 32) by block
+    of 32: the last 128 bytes, 32 per 64 inputs, low nibbles the first 32, high nibbles the
+    next; Q5_K's fifth bits from the 32 bytes before them (bit i of byte j: block i, input j)."""
+    qs = b[..., -128:].to(torch.int32).reshape(*b.shape[:2], 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], -2).reshape(b.shape[0], -1, 8, 32)  # (N, S, 8, 32)
+    if b.shape[-1] == 176:
+        qh = b[..., 16:48].to(torch.int32)[..., None, :]  # (N, S, 1, 32)
+        q = q | (((qh >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4)
     return q.reshape(b.shape[0], -1, 32)
 
 
@@ -202,21 +207,40 @@ def _per_super(x: torch.Tensor, n: int) -> torch.Tensor:
     return _scales(x.to(torch.float16), n)
 
 
-def pack_q4_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
-    """GGUF Q4_K in the tile layout, in the file's 4.5 bits a weight: qs as Q4_1's (T, B, 128);
-    d fp16 (T, S, 16): lanes 0..7 the rows' d, 8..15 their dmin; m uint8 (T, B, 12): byte i
-    row i's 6-bit scale's low 4 bits and its min's (high nibble), then a 32-bit word whose bits
-    4i..4i+3 hold row i's top two bits of each (scale, then min)."""
-    b = _blocks(raw, "q4_k", n, k)
+def _k4_scales_packed(b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K super-blocks -> the kernel's d (T, S, 16) and m (T, B, 12) (pack_q4_k)."""
     sc, mn = k4_scales(b)  # (N, S, 8)
-    qs = _interleave(_nibble_bytes(k4_codes(b)), n)
     d = torch.cat([_per_super(_half(b, 0), n), _per_super(_half(b, 2), n)], -1)
     sc, mn = sc.reshape(n, -1), mn.reshape(n, -1)  # (N, B)
     low = _scales(((sc & 0x0F) | ((mn & 0x0F) << 4)).to(torch.uint8), n)  # (T, B, 8)
     top = _scales((sc >> 4) | ((mn >> 4) << 2), n)  # (T, B, 8) int32, 4 bits each
     word = (top << (4 * torch.arange(TILE, dtype=torch.int32))).sum(-1, dtype=torch.int32)
     word_bytes = word.contiguous().view(torch.uint8).view(*word.shape, 4)  # little-endian
-    return Packed("q4_k", n, k, qs, d.contiguous(), torch.cat([low, word_bytes], -1).contiguous())
+    return d.contiguous(), torch.cat([low, word_bytes], -1).contiguous()
+
+
+def pack_q4_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """GGUF Q4_K in the tile layout, in the file's 4.5 bits a weight: qs as Q4_1's (T, B, 128);
+    d fp16 (T, S, 16): lanes 0..7 the rows' d, 8..15 their dmin; m uint8 (T, B, 12): byte i
+    row i's 6-bit scale's low 4 bits and its min's (high nibble), then a 32-bit word whose bits
+    4i..4i+3 hold row i's top two bits of each (scale, then min)."""
+    b = _blocks(raw, "q4_k", n, k)
+    d, m = _k4_scales_packed(b, n)
+    return Packed("q4_k", n, k, _interleave(_nibble_bytes(k4_codes(b)), n), d, m)
+
+
+def pack_q5_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
+    """GGUF Q5_K in the tile layout, in the file's 5.5 bits a weight: qs as Q5_0's (T, B, 160:
+    the nibbles, then each row's fifth bits as a 32-bit word, bit e input e); d and m as
+    pack_q4_k's."""
+    b = _blocks(raw, "q5_k", n, k)
+    q = k4_codes(b)  # (N, B, 32), 0..31
+    bits = ((q.to(torch.int64) >> 4) << torch.arange(32, dtype=torch.int64)).sum(-1)
+    words = bits.contiguous().view(torch.uint8).view(n, -1, 8)[..., :4]  # (N, B, 4), LE
+    nib = _interleave(_nibble_bytes(q & 0x0F), n)  # (T, B, 128)
+    qh = _tiles(words, n).transpose(1, 2).reshape(nib.shape[0], -1, 32)
+    d, m = _k4_scales_packed(b, n)
+    return Packed("q5_k", n, k, torch.cat([nib, qh], -1).contiguous(), d, m)
 
 
 def pack_q6_k(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
@@ -287,6 +311,10 @@ def _dq_q4_k(b: torch.Tensor, offset: bool) -> torch.Tensor:
     return w.reshape(*b.shape[:2], SUPER)
 
 
+def _dq_q5_k(b: torch.Tensor, offset: bool) -> torch.Tensor:
+    return _dq_q4_k(b, offset)  # the same scales; k4_codes reads the fifth bits
+
+
 def _dq_q6_k(b: torch.Tensor, offset: bool) -> torch.Tensor:
     sc = b[..., 192:208].contiguous().view(torch.int8)  # (N, S, 16): one per 16 inputs
     scale = (_half(b, 208).double()[..., None] * sc).reshape(b.shape[0], -1, 1)
@@ -351,6 +379,7 @@ FORMAT_TABLE: dict[str, WeightFormat] = {f.name: f for f in (
     # the K-quants as stored, super-blocks of 256 (see pack_q4_k, pack_q6_k)
     WeightFormat("q4_k", SUPER, 144, pack_q4_k, _dq_q4_k, third=True, ggml="Q4_K",
                  codes=_codes_q4_k, torch_kind="int4"),
+    WeightFormat("q5_k", SUPER, 176, pack_q5_k, _dq_q5_k, third=True, ggml="Q5_K"),
     WeightFormat("q6_k", SUPER, 210, pack_q6_k, _dq_q6_k, third=True, ggml="Q6_K"),
     # forms other types are rewritten to (model/ggml_types.py): fp16 d, fp16 m or a second d,
     # then the codes: 32 bytes; q6_16: 16 bytes of low nibbles in Q4_x order, 8 bytes of the

@@ -1,11 +1,10 @@
 // Integer-dot matmuls over GGUF block-quantized weights (issues 21, 22), as llama.cpp's CPU
 // backend does: y (M, N) float32 = x (M, K) float32 @ W^T for any number of activation rows, W
-// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, Q5_0, the K-quants Q4_K and Q6_K in the bytes the
-// GGUF stores (super-blocks of 256: an fp16 scale per super-block times a small integer scale
-// per block), and forms that hold the other GGML types exactly in their codes
-// (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1 and Q5_K), Q6_16 (6-bit
-// codes with one fp16 scale per 16 inputs, Q6_K's former form) and Q8_16 (the same as 8-bit
-// codes).
+// in blocks of 32 inputs: Q4_0, Q4_1, Q8_0, Q5_0, the K-quants Q4_K, Q5_K and Q6_K in the
+// bytes the GGUF stores (super-blocks of 256: an fp16 scale per super-block times a small integer
+// scale per block), and forms that hold the other GGML types exactly in their codes
+// (engine_worker/model/ggml_types.py): Q8_1 (w = d*q + m, for Q5_1), Q6_16 (6-bit codes with one
+// fp16 scale per 16 inputs, Q6_K's former form) and Q8_16 (the same as 8-bit codes).
 //
 // Data flow of one call:
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
@@ -38,6 +37,8 @@
 //     8..15 their dmin; m uint8 (T, B, 12): byte i holds row i's 6-bit block scale (low 4 bits)
 //     and min (high 4), then a little-endian word whose bits 4i..4i+3 hold row i's top two
 //     bits of each (scale, then min). w = (d*sc)*q - (dmin*min): 4.5 bits a weight, the file's.
+//   Q5_K: qs as Q5_0's (nibbles, then each row's 32 fifth bits a block); d and m as Q4_K's;
+//     w = (d*sc)*q - (dmin*min), q in 0..31: 5.5 bits a weight, the file's.
 //   Q6_K: qs as Q6_16's; d float16 (T, B/8, 8), the rows' super-block scale; m int8 (T, B, 16):
 //     lanes 0..7 the rows' scales of inputs 0..15, 8..15 of inputs 16..31; w = (d*sc)*(q-32):
 //     6.5625 bits a weight, the file's. For both, d*sc (and dmin*min) are exact in float32 (11
@@ -105,30 +106,34 @@ constexpr int kChunk = 4;          // activation rows that share one pass over a
 constexpr int kChunk2 = 8;
 constexpr int64_t kAhead = 2;      // prefetch distance in work items (tiles, or pairs of tiles)
 
-enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16, Q4_K, Q6_K };
+enum class Fmt { Q4_0, Q4_1, Q8_0, Q8_1, Q8_16, Q5_0, Q6_16, Q4_K, Q5_K, Q6_K };
 
 constexpr int64_t kSuper = 8;  // blocks of 32 per K-quant super-block (256 inputs)
 
 constexpr bool is_q8(Fmt f) { return f == Fmt::Q8_0 || f == Fmt::Q8_1 || f == Fmt::Q8_16; }
 // the K-quants as stored: fp16 scales per super-block (d), small integer scales per block (m)
-constexpr bool is_k(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q6_K; }
+constexpr bool is_k(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q5_K || f == Fmt::Q6_K; }
+// Q4_K's and Q5_K's scales: 6-bit scale and min per block under fp16 d and dmin
+constexpr bool k4_scaled(Fmt f) { return f == Fmt::Q4_K || f == Fmt::Q5_K; }
+// a fifth bit per code beside the nibbles (Q5_0's layout: a 32-bit word a row and block)
+constexpr bool five_bit(Fmt f) { return f == Fmt::Q5_0 || f == Fmt::Q5_K; }
 // w = d*q + m: the offset taken through the activations' code sums
-constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1 || f == Fmt::Q4_K; }
+constexpr bool has_offset(Fmt f) { return f == Fmt::Q4_1 || f == Fmt::Q8_1 || k4_scaled(f); }
 constexpr bool six_bit(Fmt f) { return f == Fmt::Q6_16 || f == Fmt::Q6_K; }
 constexpr int64_t packed_bytes(Fmt f) {
-  return is_q8(f) ? 256 : f == Fmt::Q5_0 ? 160 : six_bit(f) ? 192 : 128;
+  return is_q8(f) ? 256 : five_bit(f) ? 160 : six_bit(f) ? 192 : 128;
 }
 // one scale per half block (16 inputs): the integer dot is kept per half
 constexpr bool per_half(Fmt f) { return f == Fmt::Q8_16 || six_bit(f); }
 // fp16 scales per (tile, block): one per row, or one per row and half block; the K-quants' per
 // super-block (d and dmin of 8 rows for Q4_K: 16 per 8 blocks; d of 8 rows for Q6_K: 8)
 constexpr int64_t scales_per(Fmt f) {
-  return f == Fmt::Q4_K ? 2 : f == Fmt::Q6_K ? 1 : per_half(f) ? 2 * kTile : kTile;
+  return k4_scaled(f) ? 2 : f == Fmt::Q6_K ? 1 : per_half(f) ? 2 * kTile : kTile;
 }
 // bytes of the third tensor (m) per (tile, block): fp16 offsets of 8 rows (Q4_1, Q8_1); Q4_K's
 // 6-bit scales and mins of 8 rows in 12 bytes; Q6_K's int8 scales of 8 rows' two halves
 constexpr int64_t m_bytes(Fmt f) {
-  return f == Fmt::Q4_K ? 12 : f == Fmt::Q6_K ? 2 * kTile : has_offset(f) ? 2 * kTile : 0;
+  return k4_scaled(f) ? 12 : f == Fmt::Q6_K ? 2 * kTile : has_offset(f) ? 2 * kTile : 0;
 }
 constexpr bool has_m(Fmt f) { return m_bytes(f) > 0; }
 constexpr const char* fmt_name(Fmt f) {
@@ -139,6 +144,7 @@ constexpr const char* fmt_name(Fmt f) {
          : f == Fmt::Q5_0 ? "q5_0"
          : f == Fmt::Q6_16 ? "q6_16"
          : f == Fmt::Q4_K ? "q4_k"
+         : f == Fmt::Q5_K ? "q5_k"
          : f == Fmt::Q6_K ? "q6_k"
                           : "q8_16";
 }
@@ -301,7 +307,7 @@ template <Fmt F>
 [[gnu::always_inline]] inline Scales8 scales8(const uint16_t* dw, const uint8_t* mw, int64_t b) {
   constexpr int64_t sp = scales_per(F);
   Scales8 s{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  if constexpr (F == Fmt::Q4_K) {
+  if constexpr (k4_scaled(F)) {
     const uint8_t* mb = mw + b * m_bytes(F);
     // bytes 0..7: row i's scale (low 4 bits) and min (high 4); the word after: row i's top two
     // bits of each at bits 4i..4i+1 (scale) and 4i+2..4i+3 (min)
@@ -342,7 +348,7 @@ inline void scales1(const uint16_t* dw, const uint8_t* mw, int64_t b, int i, flo
                     float& dhi, float& m) {
   constexpr int64_t sp = scales_per(F);
   dhi = m = 0.f;
-  if constexpr (F == Fmt::Q4_K) {
+  if constexpr (k4_scaled(F)) {
     const uint8_t* mb = mw + b * m_bytes(F);
     uint32_t word;
     std::memcpy(&word, mb + kTile, 4);
@@ -471,7 +477,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64_
         lo[j] = _mm256_and_si256(v, low4);
         hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
-      if constexpr (F == Fmt::Q5_0) {  // lane i: row i's 32 fifth bits
+      if constexpr (five_bit(F)) {  // lane i: row i's 32 fifth bits
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
         for (int j = 0; j < 4; ++j) {
           lo[j] = _mm256_or_si256(lo[j], spread4(_mm256_srli_epi32(qh, 4 * j)));
@@ -524,7 +530,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64_
           i0 = p[0];
           i1 = p[1];
           isum = _mm256_setzero_si256();
-        } else if constexpr (F == Fmt::Q5_0) {  // 5-bit codes: a pair's sum fits int16, eight do not
+        } else if constexpr (five_bit(F)) {  // 5-bit codes: a pair's sum fits int16, eight do not
           isum = _mm256_setzero_si256();
           for (int j = 0; j < 4; ++j) {
             int32_t xl, xh;
@@ -608,7 +614,7 @@ void tile_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64_
           continue;
         } else {
           uint32_t qh = 0;
-          if constexpr (F == Fmt::Q5_0) std::memcpy(&qh, wb + 128 + 4 * i, 4);
+          if constexpr (five_bit(F)) std::memcpy(&qh, wb + 128 + 4 * i, 4);
           for (int j = 0; j < 4; ++j)
             for (int c = 0; c < 4; ++c) {
               const uint8_t v = wb[32 * j + 4 * i + c];
@@ -669,7 +675,7 @@ template <Fmt F>
                                                  int64_t tile_m) {
   constexpr int64_t sp = scales_per(F);
   Scales16 s{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  if constexpr (F == Fmt::Q4_K) {
+  if constexpr (k4_scaled(F)) {
     const uint8_t* m0 = mw + b * m_bytes(F);
     const uint8_t* m1 = m0 + tile_m;
     const __m512i v = _mm512_cvtepu8_epi32(
@@ -794,7 +800,7 @@ void tile2_chunk(const uint8_t* qs, const uint16_t* dw, const uint8_t* mw, int64
         lo[j] = _mm512_and_si512(v, low4);
         hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      if constexpr (F == Fmt::Q5_0) {
+      if constexpr (five_bit(F)) {
         const __m512i qh = load2(wb + 128, wb + tile_bytes + 128);
         for (int j = 0; j < 4; ++j) {
           lo[j] = _mm512_or_si512(lo[j], spread4(_mm512_srli_epi32(qh, 4 * j)));
@@ -927,7 +933,7 @@ at::Tensor int_dot(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const uint8_t* mp = nullptr;
   if constexpr (has_m(F)) {
     TORCH_CHECK(m.has_value(), "int_dot_", name, ": m is required");
-    const auto mtype = F == Fmt::Q4_K ? at::kByte : F == Fmt::Q6_K ? at::kChar : at::kHalf;
+    const auto mtype = k4_scaled(F) ? at::kByte : F == Fmt::Q6_K ? at::kChar : at::kHalf;
     check_scales(*m, "m", mtype, blocks, is_k(F) ? m_bytes(F) : kTile);
     mp = static_cast<const uint8_t*>(m->data_ptr());
   }
@@ -1034,6 +1040,11 @@ at::Tensor int_dot_q4_k(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return int_dot<Fmt::Q4_K>(x, qs, d, m, n);
 }
 
+at::Tensor int_dot_q5_k(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t n) {
+  return int_dot<Fmt::Q5_K>(x, qs, d, m, n);
+}
+
 at::Tensor int_dot_q6_k(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const at::Tensor& m, int64_t n) {
   return int_dot<Fmt::Q6_K>(x, qs, d, m, n);
@@ -1071,6 +1082,7 @@ TORCH_LIBRARY_FRAGMENT(kestrel, lib) {
   lib.def("int_dot_q5_0(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q6_16(Tensor x, Tensor qs, Tensor d, int n) -> Tensor");
   lib.def("int_dot_q4_k(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
+  lib.def("int_dot_q5_k(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_q6_k(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int_dot_quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   lib.def("int_dot_isa() -> str", &int_dot_isa);  // no tensors to dispatch on: catch-all
@@ -1085,6 +1097,7 @@ TORCH_LIBRARY_IMPL(kestrel, CPU, lib) {
   lib.impl("int_dot_q5_0", &int_dot_q5_0);
   lib.impl("int_dot_q6_16", &int_dot_q6_16);
   lib.impl("int_dot_q4_k", &int_dot_q4_k);
+  lib.impl("int_dot_q5_k", &int_dot_q5_k);
   lib.impl("int_dot_q6_k", &int_dot_q6_k);
   lib.impl("int_dot_quantize_q8", &int_dot_quantize_q8);
 }

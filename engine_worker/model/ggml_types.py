@@ -3,24 +3,21 @@
     GGUFReader tensor (numpy memmap of the file's bytes)
       -> read_tensor: by GGML type
            Q4_0, Q4_1, Q8_0, Q5_0    as they are (the kernel reads them natively)
-           Q4_K, Q6_K                 as they are, super-blocks of 256 (q4_k, q6_k: the kernel
-                                       reads their two-level scales; 4.5 and 6.5625 bits a weight)
+           Q4_K, Q5_K, Q6_K           as they are, super-blocks of 256 (q4_k, q5_k, q6_k: the
+                                       kernel reads their two-level scales; 4.5, 5.5 and 6.5625
+                                       bits a weight)
            Q5_1  (d, m, 5-bit q)      -> q8_1:  codes q, the same d and m            (exact)
-           Q5_K  (256: 8 x 32, 6-bit scale and min per 32, 5-bit q)
-                                       -> q8_1:  per 32, d' = d*sc, m' = -dmin*mn, codes q
-                                          0..31 (9 bits a weight where the file has 5.5)
            F32 / F16 / BF16           -> float32 (norms, biases)
            anything else               -> gguf's own dequantize (float32), named in the log
       -> Blocks: fmt, raw bytes (N, K/32 * block bytes); codes / scales / float view on demand
          (for torch's packed kernels, where ours is not built, Q5_0 is rewritten as Q8_0 with
          codes q - 16 and the same d: exact)
 
-Every code is the file's own. Q5_K's two-level scales (an fp16 super-block scale times a 6-bit
-sub-block scale) become one fp16 scale per 32 inputs: that product is rounded to fp16 (11
-significant bits; the relative change of any weight is below 2^-11, under 1/100 of a
-quantization step). Q4_K and Q6_K keep theirs: the kernel multiplies them out exactly. Nothing
-is re-quantized and no float copy of a quantized tensor is made. (q4_1 and q6_16, the forms
-Q4_K and Q6_K were once rewritten to, remain kernel formats of their own.)
+Every code is the file's own. The K-quants keep their two-level scales (an fp16 super-block
+scale times a 6- or 8-bit block scale): the kernel multiplies them out exactly. Nothing is
+re-quantized and no float copy of a quantized tensor is made. (`convert(as_stored=False)` still
+gives the per-block forms the K-quants were once rewritten to, q4_1, q8_1 and q6_16, with the
+products rounded to fp16, for comparisons.)
 """
 
 from __future__ import annotations

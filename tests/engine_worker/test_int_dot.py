@@ -1,7 +1,7 @@
 """The integer-dot kernels (csrc/int_dot.cpp via engine_worker/int_dot.py) over GGUF Q4_0, Q4_1
-and Q8_0 weights made by the `gguf` package, Q4_K and Q6_K super-blocks as stored (q4_k, q6_k),
-and over q8_1 / q6_16 / q8_16 (the forms Q5_1/Q5_K are rewritten to, Q6_K's codes in 7 bits and
-as 8 bits): equal to the Q8-activation reference
+and Q8_0 weights made by the `gguf` package, Q4_K, Q5_K and Q6_K super-blocks as stored (q4_k,
+q5_k, q6_k), and over q8_1 / q6_16 / q8_16 (the form Q5_1 is rewritten to, Q6_K's codes in 7
+bits and as 8 bits): equal to the Q8-activation reference
 within float32 accumulation, within the activations' 8-bit rounding of the float truth, the
 same bits for a row alone or in a batch, clear errors on bad input, and the ISA path the build
 was capped to.
@@ -29,7 +29,7 @@ from tests.engine_worker.kquant_factory import quantize
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0}
 SOURCE = {"q8_1": Q.Q5_1, "q6_16": Q.Q6_K}  # the GGML types our own forms are rewritten from
-KQUANTS = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K}  # served as stored: K a multiple of 256
+KQUANTS = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}  # as stored: K a multiple of 256
 ROWS = (1, 2, 3, 4, 7, 8, 16, 67)  # 67: more than one group of 64 rows
 SHAPES = ((96, 64), (576, 576), (100, 160), (5, 32))  # (N, K); 100 and 5: partial tiles
 ACC_RTOL = 1e-5  # float32 accumulation over K/32 blocks, relative to the sum of |terms|
@@ -257,7 +257,7 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if fmt in KQUANTS:  # super-blocks: their fp16 scales small and finite
         b = rng.integers(0, 256, (n, k // 256, int_dot.SUPER_BYTES[fmt]), dtype=np.uint8)
-        for at in (0, 2) if fmt == "q4_k" else (208,):
+        for at in (208,) if fmt == "q6_k" else (0, 2):
             b[..., at:at + 2] = rng.uniform(1e-3, 0.1, (n, k // 256, 1)).astype(
                 np.float16).view(np.uint8)
         return b.reshape(n, -1)
@@ -281,9 +281,10 @@ GOLDEN = {
     "q8_16": "02bc03db0513341670a2e4cfa9149f224a9eeb0fedce2fd83e651aad451cf0eb",
     "q5_0": "768ea19786f9cd7ea8711c6ff773fe90c45546edb34a8b5869a4f4f6fadea022",
     "q6_16": "07763e3062010aa592fe533d71bcd2964281018751d18409919ad3e0f8342e8e",
-    # (these two: checked from AVX512-VNNI, AVX2 (-march=x86-64-v3) and scalar (-march=x86-64)
+    # (these three: checked from AVX512-VNNI, AVX2 (-march=x86-64-v3) and scalar (-march=x86-64)
     # builds on an AMD EPYC Zen 4)
     "q4_k": "c5b4dabc926c1e6758bb691d86d0297010706a95320e65367d20a497bf5ecc25",
+    "q5_k": "cb2a7dddbba44d8e4b2e26c3be7875cf17cc14a69fc4133d0655044c9ffb2fc4",
     "q6_k": "208e859b71cdb4d4ae49188d7af1ec162e7a064313b884d6c60c9af577826c63",
 }
 
