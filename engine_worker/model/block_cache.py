@@ -58,8 +58,8 @@ from engine_worker.model.ggml_types import Blocks, read_tensor
 log = logging.getLogger("kestrel.gguf")
 
 # bump when ggml_types' rewrite of any type changes its output (2: Q6_K as q6_16, was q8_16;
-# 3: Q4_K and Q6_K as stored, q4_k and q6_k)
-FORMAT = 3
+# 3: Q4_K and Q6_K as stored, q4_k and q6_k; 4: Q5_K as stored, q5_k)
+FORMAT = 4
 
 
 KEY_ENV = "KESTREL_BLOCK_CACHE_KEY"  # the seal key's file, if not the default
