@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from engine_worker.kernel_build import KernelUnavailable, load_kernel
+from engine_worker.kquant_codes import k4_codes, k4_scales, k6_codes
 
 BLOCK = 32  # inputs per quantization block
 TILE = 8  # output rows interleaved per packed block
@@ -164,37 +165,6 @@ def pack_q6_16(raw: np.ndarray | torch.Tensor, n: int, k: int) -> Packed:
     qs = torch.cat([_interleave(b[..., 4:20], n), _interleave(b[..., 20:28], n)], -1)
     d = torch.cat([_scales(_half(b, 0), n), _scales(_half(b, 2), n)], -1)  # (T, B, 16)
     return Packed("q6_16", n, k, qs.contiguous(), d.contiguous())
-
-
-def k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks (N, S, 144) -> 6-bit scales and mins, int32 (N, S, 8) each."""
-    s = b[..., 4:16].to(torch.int32)
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
-    return sc, mn
-
-
-def k4_codes(b: torch.Tensor) -> torch.Tensor:
-    """Q4_K (N, S, 144) or Q5_K (N, S, 176) super-blocks -> codes, int32 (N, S*8, 32) by block
-    of 32: the last 128 bytes, 32 per 64 inputs, low nibbles the first 32, high nibbles the
-    next; Q5_K's fifth bits from the 32 bytes before them (bit i of byte j: block i, input j)."""
-    qs = b[..., -128:].to(torch.int32).reshape(*b.shape[:2], 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], -2).reshape(b.shape[0], -1, 8, 32)  # (N, S, 8, 32)
-    if b.shape[-1] == 176:
-        qh = b[..., 16:48].to(torch.int32)[..., None, :]  # (N, S, 1, 32)
-        q = q | (((qh >> torch.arange(8, dtype=torch.int32)[:, None]) & 1) << 4)
-    return q.reshape(b.shape[0], -1, 32)
-
-
-def k6_codes(b: torch.Tensor) -> torch.Tensor:
-    """Q6_K super-blocks (N, S, 210) -> codes 0..63, int32 (N, S*8, 32) by block of 32: inputs
-    h*128 + s*32 + j take nibble s//2 of ql[h*64 + (s%2)*32 + j] and bits 2s of qh[h*32 + j]."""
-    ql = b[..., 0:128].to(torch.int32).reshape(*b.shape[:2], 2, 1, 64)
-    qh = b[..., 128:192].to(torch.int32).reshape(*b.shape[:2], 2, 1, 32)
-    low = torch.cat([ql & 0x0F, ql >> 4], -2).reshape(*b.shape[:2], 2, 4, 32)
-    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)  # (N, S, 2, 4, 32)
-    return (low | (high << 4)).reshape(b.shape[0], -1, 32)
 
 
 def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
