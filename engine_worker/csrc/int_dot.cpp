@@ -657,71 +657,25 @@ inline __m512i top2(__m512i plane) {  // as the 256-bit top2
   return _mm512_and_si512(at, _mm512_set1_epi8(0x30));
 }
 
-inline __m512 load2(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 float32
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
-// scales8's for two neighbouring tiles (tile t's 8 rows in lanes 0..7, t+1's in 8..15): the same
-// products per lane. The second tile's scales are `tile_scales` fp16 and `tile_m` bytes on.
+// scales8's for two neighbouring tiles (tile t's 8 rows in lanes 0..7, t+1's in 8..15): each
+// tile's own, side by side, so the products per lane are scales8's. The second tile's scales are
+// `tile_scales` fp16 and `tile_m` bytes on.
 struct Scales16 {
   __m512 d, dhi, m;
 };
+
+inline __m512 join8(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                             _mm256_castps_pd(hi), 1));
+}
 
 template <Fmt F>
 [[gnu::always_inline]] inline Scales16 scales16(const uint16_t* dw, const uint8_t* mw,
                                                  int64_t b, int64_t tile_scales,
                                                  int64_t tile_m) {
-  constexpr int64_t sp = scales_per(F);
-  Scales16 s{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  if constexpr (k4_scaled(F)) {
-    const uint8_t* m0 = mw + b * m_bytes(F);
-    const uint8_t* m1 = m0 + tile_m;
-    const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m0)),
-                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m1))));
-    uint32_t w0, w1;
-    std::memcpy(&w0, m0 + kTile, 4);
-    std::memcpy(&w1, m1 + kTile, 4);
-    const __m512i words = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_set1_epi32(static_cast<int32_t>(w0))),
-        _mm256_set1_epi32(static_cast<int32_t>(w1)), 1);
-    const __m512i top = _mm512_srlv_epi32(
-        words, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
-    const __m512i three = _mm512_set1_epi32(3);
-    const __m512i sc = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
-                                       _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
-    const __m512i mn = _mm512_or_si512(
-        _mm512_srli_epi32(v, 4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, 2),
-                                                                    three), 4));
-    const uint16_t* ds = dw + (b / kSuper) * 2 * kTile;
-    s.d = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), load2(ds, ds + tile_scales));
-    s.m = _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mn),
-                                          load2(ds + kTile, ds + tile_scales + kTile))),
-        _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
-  } else if constexpr (F == Fmt::Q6_K) {
-    const uint8_t* m0 = mw + b * m_bytes(F);
-    const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m0));
-    const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m0 + tile_m));
-    const uint16_t* ds = dw + (b / kSuper) * kTile;
-    const __m512 sup = load2(ds, ds + tile_scales);
-    s.d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1))),
-                        sup);
-    s.dhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1))),
-                          sup);
-  } else {
-    s.d = load2(dw + b * sp, dw + tile_scales + b * sp);
-    if constexpr (per_half(F)) {
-      s.dhi = load2(dw + b * sp + kTile, dw + tile_scales + b * sp + kTile);
-    }
-    if constexpr (has_offset(F)) {
-      const uint16_t* mh = reinterpret_cast<const uint16_t*>(mw);
-      s.m = load2(mh + b * kTile, mh + tile_m / 2 + b * kTile);
-    }
-  }
-  return s;
+  const Scales8 t0 = scales8<F>(dw, mw, b);
+  const Scales8 t1 = scales8<F>(dw + tile_scales, mw == nullptr ? nullptr : mw + tile_m, b);
+  return {join8(t0.d, t1.d), join8(t0.dhi, t1.dhi), join8(t0.m, t1.m)};
 }
 
 // Two neighbouring tiles (16 output rows: tile t in lanes 0..7, t+1 in lanes 8..15) against R
