@@ -14,6 +14,7 @@ import torch
 from engine_worker import path_choice
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.loader import load_config
+from engine_worker.model.matmul_plan import ALL, Route
 from engine_worker.model_runner import ModelRunner
 from engine_worker.path_choice import choose_paths, decide, native_bf16
 from engine_worker.runner_config import AUTO, RunnerConfig
@@ -141,6 +142,13 @@ def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
                                       cache_dir=cache_dir))  # the kernels built once
     assert runner.paths is not None
     layer = runner.model.model.layers[0].mlp.down_proj
+    logits = runner.execute([StepItem(list(range(1, 40)), 0, [0, 1, 2])])
+    assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
+    if runner.paths.int_dot_everywhere:  # it won at every row count measured: nothing behind it
+        assert runner.plan.routes("q4_1") == (Route(ALL, "int_dot"),)
+        assert isinstance(layer, IntDotLinear) and layer.fallback is None
+        assert layer.max_rows == ALL
+        return
     if runner.paths.int_dot_rows:  # the integer-dot kernel up to its rows, over the packed path
         assert isinstance(layer, IntDotLinear) and layer.max_rows == runner.paths.int_dot_rows
         layer = layer.fallback
@@ -152,5 +160,3 @@ def test_runner_serves_with_the_measured_choice(tiny_dir: Path, tiny_q4: Path,
     assert starts.get("dense", 0) == want and (layer.dense is not None) == bool(want)
     if want:
         assert layer.dense.dtype == getattr(torch, runner.paths.dense_dtype)
-    logits = runner.execute([StepItem(list(range(1, 40)), 0, [0, 1, 2])])
-    assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
