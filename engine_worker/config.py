@@ -18,7 +18,7 @@ SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PAGED_ATTENTION_MODES = ("auto", "gather")
 # The KV cache's element type (vLLM's --kv-cache-dtype names); auto: bfloat16 on a CPU, the
 # activations' 16-bit dtype on a GPU (engine_worker/runner_config.py resolve_kv_dtype).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 DECODE_STACK_MODES = ("auto", "off")
 POOLINGS = ("mean", "last")  # embeddings (engine_worker/embedding.py)
 COMPILE_MODES = ("off", "decode")  # the runner's decode paths: eager, or compiled one-token steps
@@ -101,7 +101,9 @@ class WorkerConfig:
     kv_cache_dtype: str = setting("auto", "the KV cache's dtype: auto (bfloat16 on a CPU: half "
                                   "the bytes of float32 read at every step and twice the "
                                   "context in the same memory; the activations' 16-bit dtype "
-                                  "on a GPU), float32, bfloat16 or float16")
+                                  "on a GPU), float32, bfloat16, float16, or int8 / fp8 (one "
+                                  "byte a value and a float16 scale per 32: about half a "
+                                  "16-bit cache; engine_worker/kv_cache.py)")
     block_size: int = setting(16, "tokens per KV cache block")
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
                                  "context clamped to the KV capacity)")

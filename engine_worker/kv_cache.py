@@ -10,6 +10,13 @@ budget buys.
 
 The cache's dtype is its own (bfloat16 by default on a CPU, whatever the activations): a decode
 step reads every token of its context, so the cache's bytes per token are read at every step.
+The 8-bit caches (--kv-cache-dtype int8 or fp8) carry their scales in the row: a (slot, head) row
+is D one-byte codes, then one float16 scale per group of 32 along D (one group when D is not a
+multiple of 32) in its last bytes, as llama.cpp's q8_0 blocks are: (slots, Hkv, D + 2 * groups)
+of torch.int8 or torch.float8_e4m3fn. A group's scale is its largest magnitude over 127 (int8,
+codes rounded to nearest) or over 448 (fp8 e4m3, the format's largest finite value); `encode`
+and `decode` here are the Python layers' writers and readers, and the C++ decode stack and
+paged attention kernel write and read the same bits (csrc/decode_stack.cpp, paged_attention.cpp).
 On a CPU the tensors lie in anonymous mappings: the kernel hands them out zeroed and a page
 becomes the process's only when first written, so a budget sized for whole contexts costs the
 host what is used, not what is reserved (torch.zeros would write every page at start).
@@ -23,6 +30,34 @@ import torch
 
 from engine_worker.model.config import ModelConfig
 
+# --kv-cache-dtype names of the 8-bit caches: the codes' dtype and the largest code
+SCALED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+GROUP = 32  # values per scale along D
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The cache tensors' dtype for a --kv-cache-dtype name (auto resolved already)."""
+    return SCALED[name][0] if name in SCALED else getattr(torch, name)
+
+
+def is_scaled(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds codes and per-group scales (the 8-bit caches)."""
+    return dtype in (torch.int8, torch.float8_e4m3fn)
+
+
+def scale_groups(d: int) -> int:
+    """Scales per row of head size d: one per 32 values, or one for the row."""
+    return d // GROUP if d % GROUP == 0 else 1
+
+
+def row_width(d: int, dtype: torch.dtype) -> int:
+    """Elements of one (slot, head) row: d, or d codes and their float16 scales' bytes."""
+    if not is_scaled(dtype):
+        return d
+    if d % 2:
+        raise ValueError(f"an 8-bit KV cache needs an even head size, not {d}")
+    return d + 2 * scale_groups(d)
+
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -30,8 +65,48 @@ def _element_size(dtype: torch.dtype) -> int:
 
 def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for `num_tokens` tokens over all layers."""
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _element_size(dtype)
+    per_token = (2 * cfg.num_layers * cfg.num_kv_heads * row_width(cfg.head_dim, dtype)
+                 * _element_size(dtype))
     return per_token * num_tokens
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows (N, Hkv, D) as the cache holds them: cast, or codes and scales (N, Hkv, W)."""
+    if not is_scaled(dtype):
+        return x.to(dtype)
+    n, hkv, d = x.shape
+    ng = scale_groups(d)
+    code_dtype, top = SCALED["int8" if dtype == torch.int8 else "fp8"]
+    xf = x.float().reshape(n, hkv, ng, d // ng)
+    scale = (xf.abs().amax(-1, keepdim=True) / top).to(torch.float16)  # (N, Hkv, ng, 1)
+    q = xf / torch.where(scale == 0, 1.0, scale.float())  # an all-zero group: codes 0
+    q = q.round().clamp(-top, top) if dtype == torch.int8 else q.clamp(-top, top)
+    codes = q.to(code_dtype).view(torch.int8).reshape(n, hkv, d)
+    scales = scale.reshape(n, hkv, ng).view(torch.int8)  # (N, Hkv, 2 * ng) bytes
+    return torch.cat([codes, scales], dim=-1).view(dtype)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache viewed as int8 (torch's CPU index_copy_ and index_select have no fp8),
+    any other as it is."""
+    return cache.view(torch.int8) if is_scaled(cache.dtype) else cache
+
+
+def write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Rows x (N, Hkv, D) into the cache (slots, Hkv, W) at `slots`, as the cache holds them."""
+    as_bytes(cache).index_copy_(0, slots, as_bytes(encode(x, cache.dtype)))
+
+
+def decode(rows: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (..., W) back to values (..., D) in `dtype`: a cast, or codes times scales."""
+    if not is_scaled(rows.dtype):
+        return rows.to(dtype)
+    ng = scale_groups(d)
+    raw = rows.view(torch.int8)
+    codes = raw[..., :d].view(rows.dtype).float()
+    scales = raw[..., d:].contiguous().view(torch.float16).float()  # (..., ng)
+    vals = codes.unflatten(-1, (ng, d // ng)) * scales.unsqueeze(-1)
+    return vals.flatten(-2).to(dtype)
 
 
 def num_blocks_for_budget(
@@ -63,7 +138,7 @@ class KVCache:
         self.capacity_tokens = num_blocks * block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (self.capacity_tokens, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.capacity_tokens, cfg.num_kv_heads, row_width(cfg.head_dim, dtype))
         # zeros, not empty: padded reads of unused slots are masked out, but must never be NaN,
         # since 0 * NaN inside a matmul would still poison the result.
         self._maps: list[mmap.mmap] = []  # the CPU tensors' memory, kept alive with them

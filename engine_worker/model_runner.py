@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine_worker.compiled_step import CompiledDecode
-from engine_worker.kv_cache import KVCache, kv_cache_bytes, num_blocks_for_budget
+from engine_worker.kv_cache import KVCache, kv_cache_bytes, kv_torch_dtype, num_blocks_for_budget
 from engine_worker.model import decode_stack
 from engine_worker.model.attention import AttnMeta, PrefillSpan
 from engine_worker.model.builder import build_model
@@ -49,7 +49,7 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.dtype)
         self.dtype_name = cfg.dtype
         self.kv_dtype_name = resolve_kv_dtype(cfg.kv_cache_dtype, cfg.dtype, cfg.device)
-        self.kv_dtype = getattr(torch, self.kv_dtype_name)
+        self.kv_dtype = kv_torch_dtype(self.kv_dtype_name)
         block_size, budget = cfg.block_size, cfg.kv_budget_bytes
         model_cfg = load_config(Path(cfg.model_path))
         cache_blocks = num_blocks_for_budget(model_cfg, budget, block_size, self.kv_dtype)

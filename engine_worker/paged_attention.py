@@ -13,7 +13,8 @@ Data flow:
          its fake (shape-only) implementation is registered here, so torch.compile traces it
     Attention's decode then calls `paged_decode_attention(q, k_cache, v_cache, table, lens, bs)`
     -> (B, H, D) in q's dtype, reading K and V where they sit in the cache, in the cache's own
-    dtype (float32, bfloat16 or float16; csrc/paged_attention.cpp).
+    dtype (float32, bfloat16, float16, or int8 / fp8 codes with their scales;
+    csrc/paged_attention.cpp, engine_worker/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
         reason = f"the kernel is CPU-only, the device is {device}"
     elif dtype not in (torch.float32, torch.bfloat16):
         reason = f"the kernel serves float32 and bfloat16 activations, not {dtype}"
-    elif kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        reason = f"the kernel serves float32, bfloat16 and float16 caches, not {kv_dtype}"
+    elif kv_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8,
+                          torch.float8_e4m3fn):
+        reason = f"the kernel serves float32, 16-bit and 8-bit caches, not {kv_dtype}"
     if reason is None:  # a cached or prebuilt library serves without a compiler
         try:
             _load(str(cache_dir))
@@ -89,8 +91,8 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
 
 def paged_decode_attention(
     q: torch.Tensor,  # (B, H, D), unit last stride
-    k_cache: torch.Tensor,  # (slots, Hkv, D) contiguous
-    v_cache: torch.Tensor,  # (slots, Hkv, D)
+    k_cache: torch.Tensor,  # (slots, Hkv, W) contiguous: W = D, or an 8-bit cache's row
+    v_cache: torch.Tensor,  # (slots, Hkv, W)
     block_table: torch.Tensor,  # (B, nblk) int64
     context_lens: torch.Tensor,  # (B,) int64
     block_size: int,

@@ -159,12 +159,11 @@ class RunnerConfig:
 
 def _kv_per_token(folder: Path, kv_dtype: str) -> int:
     """K and V bytes of one token over all layers of the checkpoint in `folder`."""
-    import torch  # only here, in the worker's process: this module stays torch-free to import
-
-    from engine_worker.kv_cache import kv_cache_bytes
+    # only here, in the worker's process: this module stays torch-free to import
+    from engine_worker.kv_cache import kv_cache_bytes, kv_torch_dtype
     from engine_worker.model.loader import load_config
 
-    return kv_cache_bytes(load_config(folder), 1, getattr(torch, kv_dtype))
+    return kv_cache_bytes(load_config(folder), 1, kv_torch_dtype(kv_dtype))
 
 
 def _whole_contexts(target: Path, kv_dtype: str, seqs: int, max_model_len: int,

@@ -10,7 +10,8 @@
 //   h = rms_norm(x, w1)                          rms_norm_rows below (the norms call it too)
 //   qkv = int_dot(h) + bias                      kestrel::int_dot_<fmt> through the dispatcher
 //   q, k = rope(qkv[:, :H+Hkv])                  x*cos + rot(x)*sin, each product rounded
-//   k_cache[slot], v_cache[slot] = k, v        in the cache's dtype (float32, bfloat16, float16)
+//   k_cache[slot], v_cache[slot] = k, v        in the cache's dtype (float32, bfloat16, float16,
+//                                                or 8-bit codes and scales: kv_cache.py encode)
 //   o = paged_decode_attention(q, caches, table, lens)
 //   x = x + int_dot_o(o) + bias
 //   h = rms_norm(x, w2); g, u = int_dot_gate_up(h) + bias
@@ -25,10 +26,13 @@
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -39,9 +43,53 @@ using MmOffset = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tens
 using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, int64_t);
 
-// One row of n float32 values into a cache row of its dtype, rounded to nearest (even) as
-// torch's own casts do, so the Python layers' index_copy_ of k.to(cache dtype) writes the same.
-void write_row(const float* src, const at::Tensor& cache, int64_t at_elem, int64_t n) {
+// Whether a cache holds 8-bit codes with per-group float16 scales in each row (int8, fp8).
+bool scaled(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+// Scales per head row of size d, and a head row's elements (engine_worker/kv_cache.py).
+int64_t scale_groups(int64_t d) { return d % 32 == 0 ? d / 32 : 1; }
+int64_t row_width(at::ScalarType t, int64_t d) { return scaled(t) ? d + 2 * scale_groups(d) : d; }
+
+// One head's d values as an 8-bit cache row at dst: each group's codes, its largest magnitude
+// over `top` as a float16 scale, the codes x / scale rounded (int8: to nearest even, clamped to
+// +-127; fp8: torch's own e4m3 rounding after a clamp to +-448), in the order and the float32
+// arithmetic of kv_cache.encode, so both write the same bits.
+template <typename Code>
+void write_scaled(const float* x, uint8_t* dst, int64_t d, float top) {
+  const int64_t ng = scale_groups(d), gs = d / ng;
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* xs = x + g * gs;
+    float amax = 0.f;
+    for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(xs[i]));
+    const at::Half scale(amax / top);
+    const float s = static_cast<float>(scale);
+    const float inv = s == 0.f ? 1.f : s;
+    for (int64_t i = 0; i < gs; ++i) {
+      const float v = std::min(std::max(xs[i] / inv, -top), top);
+      if constexpr (std::is_same_v<Code, int8_t>) {
+        dst[g * gs + i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v)));
+      } else {
+        dst[g * gs + i] = c10::Float8_e4m3fn(v).x;
+      }
+    }
+    std::memcpy(dst + d + 2 * g, &scale.x, 2);
+  }
+}
+
+// One slot's heads (n float32 values, heads rows of d) into a cache row of its dtype, rounded
+// as torch's own casts do, so the Python layers' index_copy_ of kv_cache.encode writes the same.
+void write_row(const float* src, const at::Tensor& cache, int64_t at_elem, int64_t n,
+               int64_t d) {
+  if (scaled(cache.scalar_type())) {  // at_elem counts bytes: one a code
+    uint8_t* row = static_cast<uint8_t*>(cache.data_ptr()) + at_elem;
+    const int64_t w = row_width(cache.scalar_type(), d);
+    for (int64_t hh = 0; hh < n / d; ++hh) {
+      if (cache.scalar_type() == at::kChar)
+        write_scaled<int8_t>(src + hh * d, row + hh * w, d, 127.f);
+      else
+        write_scaled<c10::Float8_e4m3fn>(src + hh * d, row + hh * w, d, 448.f);
+    }
+    return;
+  }
   switch (cache.scalar_type()) {
     case at::kFloat:
       std::memcpy(cache.data_ptr<float>() + at_elem, src, n * sizeof(float));
@@ -220,7 +268,8 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // x (B, C) float32, the embedded decode rows; cos, sin (B, D) at their positions; caches per
-  // layer (slots, Hkv, D) float32, bfloat16 or float16; slots (B,), table (B, nblk), lens (B,)
+  // layer (slots, Hkv, W): float32, bfloat16 or float16 (W = D), or 8-bit codes and scales;
+  // slots (B,), table (B, nblk), lens (B,)
   // int64.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches,
@@ -242,23 +291,24 @@ struct DecodeStack : torch::CustomClassHolder {
       const Layer& L = layers[i];
       const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
       const auto ct = kc.scalar_type();
-      TORCH_CHECK((ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf) &&
+      TORCH_CHECK((ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf ||
+                   scaled(ct)) &&
                       vc.scalar_type() == ct && kc.is_contiguous() && vc.is_contiguous() &&
-                      kc.dim() == 3 && kc.size(1) == hkv && kc.size(2) == d &&
+                      kc.dim() == 3 && kc.size(1) == hkv && kc.size(2) == row_width(ct, d) &&
                       vc.sizes() == kc.sizes(),
-                  "decode_stack: caches must be contiguous float32, bfloat16 or float16 "
-                  "(slots, Hkv, D)");
+                  "decode_stack: caches must be contiguous float32, bfloat16, float16, int8 "
+                  "or float8_e4m3fn (slots, Hkv, W)");
       at::Tensor qkv = L.qkv(rms_norm_rows(x, L.norm1, eps)).contiguous();  // (B, all*D)
       at::Tensor qk = at::empty({b, h + hkv, d}, x.options());
       const float* src = qkv.data_ptr<float>();
       rope(src, b, all, h + hkv, d, cs.data_ptr<float>(), sn.data_ptr<float>(),
            qk.data_ptr<float>());
-      const int64_t slots_total = kc.size(0), row = hkv * d;
+      const int64_t slots_total = kc.size(0), row = hkv * d, stored = hkv * kc.size(2);
       for (int64_t r = 0; r < b; ++r) {
         TORCH_CHECK(sp[r] >= 0 && sp[r] < slots_total, "decode_stack: slot ", sp[r],
                     " out of range");
-        write_row(qk.data_ptr<float>() + (r * (h + hkv) + h) * d, kc, sp[r] * row, row);
-        write_row(src + (r * all + h + hkv) * d, vc, sp[r] * row, row);
+        write_row(qk.data_ptr<float>() + (r * (h + hkv) + h) * d, kc, sp[r] * stored, row, d);
+        write_row(src + (r * all + h + hkv) * d, vc, sp[r] * stored, row, d);
       }
       at::Tensor o = attn.call(qk.narrow(1, 0, h), kc, vc, table, lens, block_size);
       x = x + L.o(o.reshape({b, h * d}));

@@ -17,6 +17,9 @@
 // in place (a 16-bit cache is half the bytes a decode step reads of the context; issue 53): a
 // 16-bit row is widened to float32 once per row into a block buffer (a shift for bfloat16,
 // vcvtph2ps for float16), the arithmetic is float32 throughout (exp by a polynomial, ~1 ulp).
+// An 8-bit cache (int8 or fp8 e4m3) has rows of D + 2 * groups bytes: D codes, then a float16
+// scale per group of 32 along D (one group when D is not a multiple of 32;
+// engine_worker/kv_cache.py writes them); a row is widened into the buffer as code * scale.
 // The inner loops run over D: for D = 64 or 128 on vector-extension values as wide as the host's
 // registers (vw), otherwise as `omp simd` loops, so that -O3 -march=native vectorises them:
 // AVX512 where the host has it, AVX2 elsewhere. Work is tiled by KV block: a block's rows come
@@ -42,6 +45,27 @@ struct bf16 {
 struct f16 {
   _Float16 v;
 };
+struct q8 {  // an int8 cache's code
+  int8_t v;
+};
+struct e4m3 {  // an fp8 cache's code: sign, 4 exponent bits (bias 7), 3 mantissa bits
+  uint8_t bits;
+};
+
+// Whether a cache element type is an 8-bit code whose row carries its scales.
+template <typename C>
+constexpr bool kScaled = false;
+template <>
+constexpr bool kScaled<q8> = true;
+template <>
+constexpr bool kScaled<e4m3> = true;
+
+// Scales per row of head size d (kv_cache.py scale_groups), and a row's elements.
+inline int64_t scale_groups(int64_t d) { return d % 32 == 0 ? d / 32 : 1; }
+template <typename C>
+inline int64_t row_width(int64_t d) {
+  return kScaled<C> ? d + 2 * scale_groups(d) : d;
+}
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) {
@@ -51,6 +75,18 @@ inline float widen(bf16 x) {
   return out;
 }
 inline float widen(f16 x) { return static_cast<float>(x.v); }
+inline float widen(q8 x) { return static_cast<float>(x.v); }
+// e4m3 -> float32, exactly and without branches: the code's exponent and mantissa bits placed at
+// float32's (exponent field e, so 2^(e-127) * 1.m), then times 2^120 to move the bias from 127 to
+// 7; a subnormal code (e = 0) lands as a float32 subnormal and scales the same way. No NaN is
+// ever written (kv_cache.py clamps to +-448).
+inline float widen(e4m3 x) {
+  const uint32_t u = x.bits;
+  const uint32_t bits = ((u & 0x80u) << 24) | ((u & 0x7fu) << 20);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * 0x1p120f;
+}
 
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, bf16* out) {  // round to nearest even, as c10::BFloat16 does
@@ -75,9 +111,26 @@ inline const float* block_f32(const float* src, int64_t, int64_t, int64_t row, f
 template <typename T>
 inline const float* block_f32(const T* src, int64_t n, int64_t d, int64_t row, float* buf,
                               int64_t* stride) {
-  for (int64_t r = 0; r < n; ++r)
+  if constexpr (kScaled<T>) {  // codes times their group's float16 scale
+    const int64_t ng = scale_groups(d), gs = d / ng;
+    for (int64_t r = 0; r < n; ++r) {
+      const T* codes = src + r * row;
+      const char* scales = reinterpret_cast<const char*>(codes + d);
+      for (int64_t g = 0; g < ng; ++g) {
+        _Float16 half;
+        std::memcpy(&half, scales + 2 * g, sizeof(half));
+        const float s = static_cast<float>(half);
+        float* dst = buf + r * d + g * gs;
+        const T* c = codes + g * gs;
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) buf[r * d + i] = widen(src[r * row + i]);
+        for (int64_t i = 0; i < gs; ++i) dst[i] = widen(c[i]) * s;
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < n; ++r)
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) buf[r * d + i] = widen(src[r * row + i]);
+  }
   *stride = d;
   return buf;
 }
@@ -205,7 +258,8 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C*
                    const int64_t* table, const int64_t* lens, T* out, int64_t B, int64_t H,
                    int64_t Hkv, int64_t D, int64_t nblk, int64_t bs) {
   const int64_t G = H / Hkv;
-  const int64_t row = Hkv * D;  // elements between consecutive slots of one head
+  const int64_t width = row_width<C>(D);  // one head's elements in a slot
+  const int64_t row = Hkv * width;        // elements between consecutive slots of one head
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(bs * D), scores, sums(G);
@@ -226,8 +280,8 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C*
       // serve the G query rows from L1
       for (int64_t j = 0, t = 0; t < t_len; ++j) {
         const int64_t n = std::min(bs, t_len - t);
-        const float* kb = block_f32(kc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
-                                    &stride);
+        const float* kb = block_f32(kc + (tbl[j] * bs) * row + h * width, n, D, row,
+                                    buf.data(), &stride);
         for (int64_t g = 0; g < G; ++g) {
           float* s = &scores[g * t_len + t];
           for (int64_t r = 0; r < n; ++r) s[r] = dot<DC>(&qf[g * D], kb + r * stride, D);
@@ -249,8 +303,8 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C*
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0, t = 0; t < t_len; ++j) {
         const int64_t n = std::min(bs, t_len - t);
-        const float* vb = block_f32(vc + (tbl[j] * bs) * row + h * D, n, D, row, buf.data(),
-                                    &stride);
+        const float* vb = block_f32(vc + (tbl[j] * bs) * row + h * width, n, D, row,
+                                    buf.data(), &stride);
         for (int64_t g = 0; g < G; ++g)
           axpy_block<DC>(&acc[g * D], &scores[g * t_len + t], vb, n, stride, D);
         t += n;
@@ -289,6 +343,12 @@ void dispatch_cache(const T* q, int64_t q_sb, int64_t q_sh, const at::Tensor& k_
     case at::kBFloat16:
       return dispatch<T, bf16>(q, q_sb, q_sh, as<bf16>(k_cache), as<bf16>(v_cache), table,
                                lens, out, B, H, Hkv, D, nblk, bs);
+    case at::kChar:
+      return dispatch<T, q8>(q, q_sb, q_sh, as<q8>(k_cache), as<q8>(v_cache), table, lens, out,
+                             B, H, Hkv, D, nblk, bs);
+    case at::kFloat8_e4m3fn:
+      return dispatch<T, e4m3>(q, q_sb, q_sh, as<e4m3>(k_cache), as<e4m3>(v_cache), table, lens,
+                               out, B, H, Hkv, D, nblk, bs);
     default:  // kHalf, checked by the caller
       return dispatch<T, f16>(q, q_sb, q_sh, as<f16>(k_cache), as<f16>(v_cache), table, lens,
                               out, B, H, Hkv, D, nblk, bs);
@@ -306,15 +366,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "q: float32 or bfloat16 only");
   const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf,
-              "the cache: float32, bfloat16 or float16 only");
+  const bool scaled = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 ||
+                  cache_type == at::kHalf || scaled,
+              "the cache: float32, bfloat16, float16, int8 or float8_e4m3fn only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_table and context_lens are int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t slots = k_cache.size(0), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && Hkv > 0 && H % Hkv == 0, "head sizes do not match");
+  const int64_t width = scaled ? D + 2 * scale_groups(D) : D;
+  TORCH_CHECK((!scaled || D % 2 == 0) && k_cache.size(2) == width && Hkv > 0 && H % Hkv == 0,
+              "head sizes do not match");
   TORCH_CHECK(block_size > 0 && slots % block_size == 0, "bad block_size");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table is (B, nblk)");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B, "context_lens is (B,)");

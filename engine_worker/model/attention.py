@@ -7,8 +7,9 @@ prefill chunk. Attention reads earlier tokens from the paged KV cache by gatheri
 when one sequence's blocks are consecutive the runner passes their first slot instead, and the
 read is a free view (the gather is a cold-memory copy: ~40 us per layer and tensor, measured).
 K and V are written in the cache's dtype (bfloat16 by default on CPU, whatever the activations;
-engine_worker/runner_config.py resolve_kv_dtype) and a gathered context is widened to the
-queries' dtype for SDPA. On CPU the decodes skip the gather altogether: a C++ kernel
+engine_worker/runner_config.py resolve_kv_dtype; or 8-bit codes with their scales,
+engine_worker/kv_cache.py) and a gathered context is widened to the queries' dtype for SDPA.
+On CPU the decodes skip the gather altogether: a C++ kernel
 (engine_worker/paged_attention.py) reads K and V in place through `decode_table`; the gather
 path stays as the reference and the fallback, and prefill chunks keep it (one SDPA per chunk
 over its gathered context, a copy amortised over the chunk's many query rows).
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_worker import kv_cache
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.layers import Linear, apply_rope
 from engine_worker.paged_attention import paged_decode_attention
@@ -100,8 +102,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # (N, H + Hkv, D)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]  # (N, H, D) (N, Hkv, D) (N, Hkv, D)
         if k_cache is not None and v_cache is not None:  # in the cache's dtype (rounded)
-            k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+            kv_cache.write(k_cache, meta.slot_mapping, k)
+            kv_cache.write(v_cache, meta.slot_mapping, v)
 
         outs: list[torch.Tensor] = []  # (rows, H, D) pieces in batch-row order
         b, bs = meta.num_decode, meta.block_size
@@ -128,7 +130,8 @@ class Attention(nn.Module):
                 # the same values whether it was prefilled from 0 or after a cached prefix
                 kr, vr = k, v
                 if k_cache is not None and k_cache.dtype != k.dtype:
-                    kr, vr = (t.to(k_cache.dtype).to(k.dtype) for t in (k, v))
+                    kr, vr = (kv_cache.decode(kv_cache.encode(t, k_cache.dtype), d, k.dtype)
+                              for t in (k, v))
                 kp, vp = (t[rows].transpose(0, 1).unsqueeze(0) for t in (kr, vr))  # (1,Hkv,L,D)
             else:
                 end = span.start_pos + span.length
@@ -175,15 +178,21 @@ class Attention(nn.Module):
         if k_cache is None or v_cache is None or blocks is None:
             raise ValueError("attention over earlier tokens needs a KV cache and block tables")
         kv = []
+        w = k_cache.shape[-1]  # D, or an 8-bit cache's codes and scales (kv_cache.py)
         for cache in (k_cache, v_cache):
             if isinstance(blocks, int):  # one sequence in consecutive slots: a view, no copy
-                seq = cache[blocks : blocks + t].unsqueeze(0)  # (1, T, Hkv, D)
-            else:
-                paged = cache.view(-1, bs, self.hkv, self.d)  # (blocks, bs, Hkv, D)
-                seq = paged.index_select(0, blocks).view(b, -1, self.hkv, self.d)[:, :t]
-            kv.append(seq.transpose(1, 2))  # (B, Hkv, T, D)
+                seq = cache[blocks : blocks + t].unsqueeze(0)  # (1, T, Hkv, W)
+            else:  # fp8 has no CPU index_select: its bytes are gathered as int8's
+                paged = kv_cache.as_bytes(cache).view(-1, bs, self.hkv, w)  # (blocks,bs,Hkv,W)
+                seq = paged.index_select(0, blocks).view(b, -1, self.hkv, w)[:, :t]
+                seq = seq.view(cache.dtype)
+            kv.append(seq.transpose(1, 2))  # (B, Hkv, T, W)
         # SDPA takes one dtype: a 16-bit cache under float32 activations is widened (a copy of
-        # the context, as the gather already is; the in-place kernel reads it as it is)
+        # the context, as the gather already is; the in-place kernel reads it as it is), an
+        # 8-bit one's codes multiplied by their scales
+        if kv_cache.is_scaled(k_cache.dtype):
+            out = dtype or torch.float32
+            return kv_cache.decode(kv[0], self.d, out), kv_cache.decode(kv[1], self.d, out)
         if dtype is None:
             return kv[0], kv[1]
         return kv[0].to(dtype), kv[1].to(dtype)

@@ -1,6 +1,6 @@
 """The embedded GGUF served natively (`--model default`, --dtype auto) through the real gateway
 and worker: its Q4_1/Q8_0 blocks packed, 4x smaller than float32, still answering Paris; its
-matmul plan logged once and shown by /health."""
+matmul plan logged once and shown by /health; and served with an 8-bit KV cache."""
 
 from __future__ import annotations
 
@@ -48,3 +48,19 @@ def test_default_gguf_served_natively_answers_paris(cache_dir: Path) -> None:
         assert 0 < worker["decode_read_mb"] * 1e6 <= model["weight_bytes"] + 1e5, worker
         reads = [line for line in wk.output().splitlines() if "a decode step reads" in line]
         assert len(reads) == 1 and f"{worker['decode_read_mb']:.1f} MB" in reads[0], reads
+
+
+def test_default_gguf_with_an_int8_kv_cache_answers_paris(cache_dir: Path) -> None:
+    """Issue 53: --kv-cache-dtype int8, end to end: the worker writes and reads one-byte codes
+    with a float16 scale per 32 values, and still answers; /health shows the cache's bytes."""
+    with GatewayProc() as gw, WorkerProc("default", gw.engine_address, "--model-id", "smol",
+                                         "--cache-dir", str(cache_dir), "--threads", "1",
+                                         "--dense-min-rows", "0",
+                                         "--kv-cache-dtype", "int8"):
+        gw.wait_ready(timeout=180)
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+        assert_chat_names_paris(client, "smol")
+        [worker] = httpx.get(gw.base_url + "/health").json()["workers"]
+        assert worker["kv_cache_dtype"] == "int8"
+        # 2 (K, V) x 30 layers x 3 KV heads x (64 codes + 2 float16 scales' 4 bytes)
+        assert worker["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)

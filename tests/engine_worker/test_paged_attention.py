@@ -21,7 +21,7 @@ from common.settings import parse_settings
 from engine_worker import kernel_build
 from engine_worker.config import WorkerConfig
 from engine_worker.kernel_build import compiler_missing
-from engine_worker.kv_cache import kv_cache_bytes
+from engine_worker.kv_cache import decode, encode, kv_cache_bytes
 from engine_worker.model.attention import Attention
 from engine_worker.model_runner import ModelRunner
 from engine_worker.paged_attention import load_paged_attention, paged_decode_attention
@@ -113,6 +113,31 @@ def test_float32_queries_read_a_16_bit_cache_in_place(kernel: None, cache_dtype:
     kd, vd = attn._context(k_cache, v_cache, table.flatten(), bs, 16, int(lens.max()),
                            torch.float32)
     assert kd.dtype == vd.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+# a scale per 32 values (64, 128), one per row (16, and 20 on the generic path)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 16), (12, 2, 128), (6, 2, 20)])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_reads_an_8_bit_cache_in_place(kernel: None, cache_dtype: torch.dtype,
+                                                  heads: tuple[int, int, int],
+                                                  qdtype: torch.dtype) -> None:
+    """Issue 53: int8 / fp8 codes with their per-group scales in the row (kv_cache.encode),
+    read where they sit: the gather path's answer over the same codes times scales."""
+    h, hkv, d = heads
+    attn = Attention(gqa_config(h, hkv, d))
+    q, k32, v32, table, lens, bs = ragged_case(16, h, hkv, d, torch.float32, seed=h + d)
+    k_cache, v_cache = encode(k32, cache_dtype), encode(v32, cache_dtype)
+    assert k_cache.shape[-1] > d and k_cache.dtype == cache_dtype  # codes, then scales
+    got = paged_decode_attention(q.to(qdtype), k_cache, v_cache, table, lens, bs)
+    ref = gather_reference(attn, q.to(qdtype).float(), decode(k_cache, d, torch.float32),
+                           decode(v_cache, d, torch.float32), table, lens, bs)
+    assert got.dtype == qdtype and got.shape == ref.shape
+    tol = 2e-6 if qdtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), ref, atol=tol, rtol=tol * 5), (got - ref).abs().max()
+    # the model's own gather path decodes the codes the same way
+    assert torch.equal(gather_reference(attn, q.to(qdtype).float(), k_cache, v_cache, table,
+                                        lens, bs), ref)
 
 
 def test_kernel_zero_length_row_is_zeros_and_bad_ids_raise(kernel: None) -> None:
@@ -211,8 +236,8 @@ def test_fallback_reasons_without_building(monkeypatch: pytest.MonkeyPatch,
     for device, dtype, why in cases:
         pa = load_paged_attention("auto", device, dtype, tmp_path)
         assert not pa.enabled and why in pa.reason
-    pa = load_paged_attention("auto", CPU, torch.float32, tmp_path, torch.int8)
-    assert not pa.enabled and "float32, bfloat16 and float16 caches" in pa.reason
+    pa = load_paged_attention("auto", CPU, torch.float32, tmp_path, torch.float8_e5m2)
+    assert not pa.enabled and "float32, 16-bit and 8-bit caches" in pa.reason
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv("KESTREL_PREBUILT_KERNELS", raising=False)
     # as in a fresh process: an op an earlier test registered here would serve without a compiler
