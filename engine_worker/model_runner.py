@@ -83,6 +83,9 @@ class ModelRunner:
         # The runner's own switches (tests compare the paths); the modules never change.
         self.paged_decode = self.paged_attention.enabled
         self.use_stack = self.decode_stack is not None
+        # short prompt chunks beside decodes through the stack as decode rows (a switch the
+        # tests and benchmarks/bench_mixed_step.py turn off to compare)
+        self.prompts_through_stack = True
         # --threads 0 on a stack-served model: the count is measured while serving
         self.thread_choice = (ThreadChoice(torch.get_num_threads())
                               if cfg.adapt_threads and self.plan.decode_stack
@@ -131,7 +134,8 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if compiled and self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
-        ids, positions, meta, rows = self._prepare(items)
+        as_decodes = self._prompts_as_decodes(items)
+        ids, positions, meta, rows = self._prepare(items, as_decodes)
         stack = self.decode_stack if self.use_stack else None
         choice = self.thread_choice if stack is not None else None
         if stack is not None and meta.num_decode < ids.shape[0] and self._one_kernel(ids.shape[0]):
@@ -139,7 +143,8 @@ class ModelRunner:
             # meet in the same matmuls, one pass over the weights (the stack beside the prompt's
             # layers read them twice: on the 1.5B Qwen, 16 prompt rows beside a decoder added
             # 90 ms to its step so, 48 ms in one pass, Zen 5), with the same bits, since a row's
-            # result does not depend on the other rows' in that kernel.
+            # result does not depend on the other rows' in that kernel. (Short prompt chunks
+            # go through the stack as decode rows instead: _prompts_as_decodes.)
             stack = None
         if choice is None:
             return self.model(ids, positions, meta, self.kv_cache, rows, stack=stack)
@@ -149,6 +154,23 @@ class ModelRunner:
         if meta.num_decode == ids.shape[0]:  # decode-only steps are the ones compared
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
+
+    def _prompts_as_decodes(self, items: list[StepItem]) -> bool:
+        """Whether this step's prompt chunks run through the C++ stack as decode rows, one row
+        a token reading its own prefix from the cache (as verification rows do), beside the
+        step's decodes: a mixed step in one C++ pass, without the Python layers' ~25 torch calls
+        a layer. Only where every row takes the integer-dot kernel anyway (the same matmuls,
+        the same bits a row) and each chunk reads a short context: the in-place kernel reads a
+        row's whole context for each of its rows, where the chunk's SDPA reads it once."""
+        if not (self.use_stack and self.prompts_through_stack):
+            return False
+        prompts = [it for it in items if len(it.token_ids) > 1 and not _verify_as_decodes(it)]
+        if not prompts or len(prompts) == len(items):
+            return False  # no prompt, or no decode for the stack to carry them beside
+        rows = sum(len(it.token_ids) for it in items)
+        return self._one_kernel(rows) and all(
+            len(it.token_ids) * (it.start_pos + len(it.token_ids)) <= PROMPT_AS_DECODES_READS
+            for it in prompts)
 
     @property
     def mixed_steps_one_pass(self) -> bool:
@@ -204,7 +226,7 @@ class ModelRunner:
         item.check(self.max_model_len, self.block_size, self.num_blocks)
 
     def _prepare(
-        self, items: list[StepItem]
+        self, items: list[StepItem], prompts_as_decodes: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttnMeta, torch.Tensor]:
         bs = self.block_size
         for it in items:
@@ -214,10 +236,10 @@ class ModelRunner:
         # one decode row per token, each attending to its own prefix: its logits are then
         # exactly those one-token decodes would give, so greedy speculation keeps the text of
         # decoding without it (a prefill-style pass sums the attention in another order, and a
-        # near tie can flip).
+        # near tie can flip). With `prompts_as_decodes`, prompt chunks too (_prompts_as_decodes).
         expanded = [(i, StepItem([t], it.start_pos + j, it.block_table))
                     for i, it in enumerate(items)
-                    if len(it.token_ids) == 1 or _verify_as_decodes(it)
+                    if len(it.token_ids) == 1 or _verify_as_decodes(it) or prompts_as_decodes
                     for j, t in enumerate(it.token_ids)]
         as_decode = {i for i, _ in expanded}
         prefill_idx = [i for i in range(len(items)) if i not in as_decode]
@@ -233,7 +255,10 @@ class ModelRunner:
             ids.append(d.token_ids[0])
             pos.append(q)
             slots.append(d.block_table[q // bs] * bs + q % bs)
-            scored[i].append(len(ids) - 1)
+            if items[i].all_logits or len(items[i].token_ids) == 1:
+                scored[i].append(len(ids) - 1)
+            else:  # a prompt chunk as decode rows: its last row is scored
+                scored[i] = [len(ids) - 1]
         for i in prefill_idx:
             it = items[i]
             table, start = it.block_table, it.start_pos
@@ -302,6 +327,13 @@ class ModelRunner:
 
 
 VERIFY_AS_DECODE_ROWS = 16  # verification items up to this many tokens run as decode rows
+# A prompt chunk beside decodes runs as decode rows while its rows x its context stay within
+# this many token reads a layer (_prompts_as_decodes). Measured on the 1.5B Qwen beside one
+# decoder (benchmarks/bench_mixed_step.py --both-ways, Ice Lake 2 vCPU): from position 0, 4 /
+# 16 / 64 rows took 71 / 177 / 644 ms as decode rows against 91 / 204 / 682 through the
+# Python layers; from position 2,000, 4 rows (8 K reads) 122 against 143 ms, but 16 rows
+# (32 K) 346 against 299 and 64 rows 1,207 against 837.
+PROMPT_AS_DECODES_READS = 16 * 1024
 
 
 def _verify_as_decodes(it: StepItem) -> bool:

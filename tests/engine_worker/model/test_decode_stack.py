@@ -63,14 +63,20 @@ def test_decode_rows_through_the_stack_equal_the_python_layers_bit_for_bit(
     assert not torch.equal(_decode_both_ways(runner, other)[0][0][0], fast[0])
 
 
+@pytest.mark.parametrize("through_stack", [False, True])
 def test_a_mixed_step_on_the_integer_dot_kernel_is_one_pass_with_the_stacks_bits(
         int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig],  # noqa: F811
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, through_stack: bool) -> None:
     """Decode rows beside a prompt chunk meet it in the same matmuls (the stack would read the
-    weights a second time), and their logits are still those of the decode-only step."""
+    weights a second time), and their logits are still those of the decode-only step: through
+    the Python layers, or (the runner's default for a short chunk) through the stack with the
+    chunk's tokens as decode rows, whose last row's logits are then bit for bit those of
+    decoding the chunk's tokens one at a time."""
     kind, path, ref, _ = family
     runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
     assert runner.plan.int_dot_all and runner.decode_stack is not None
+    assert runner.prompts_through_stack  # the default
+    runner.prompts_through_stack = through_stack
     calls: list[int] = []
     stack = runner.decode_stack
     monkeypatch.setattr(runner, "decode_stack", lambda x, *a: calls.append(len(x)) or stack(x, *a))
@@ -85,10 +91,20 @@ def test_a_mixed_step_on_the_integer_dot_kernel_is_one_pass_with_the_stacks_bits
     assert calls == [2]  # a decode-only step: the stack
     for t, s in zip(kv.k + kv.v, saved, strict=True):
         t.copy_(s)
-    mixed = runner.execute([*decodes, StepItem(PROMPT[3:], 0, TABLES[2])])
-    assert calls == [2], "the mixed step ran its decode rows through the stack too"
+    chunk = StepItem(PROMPT[3:], 0, TABLES[2])
+    mixed = runner.execute([*decodes, chunk])
+    if through_stack:  # one C++ call for all rows, the chunk's tokens as decode rows
+        assert calls == [2, 2 + len(chunk.token_ids)], calls
+    else:
+        assert calls == [2], "the mixed step ran its decode rows through the stack too"
     assert mixed.shape[0] == 3 and torch.equal(mixed[:2], alone), kind
     assert runner.mixed_steps_one_pass  # what it tells the step sizing (step_costs.one_pass)
+    if through_stack:  # the chunk decoded token by token into a fourth table
+        tokens, table = chunk.token_ids, [12, 13, 14, 15]
+        runner.execute([StepItem(tokens[:2], 0, table)])
+        for j in range(2, len(tokens)):
+            last = runner.execute([StepItem([tokens[j]], j, table)])[0]
+        assert torch.equal(mixed[2], last), kind
 
 
 def test_the_stack_is_refused_where_it_was_not_built(tiny_runner: ModelRunner) -> None:
@@ -134,3 +150,23 @@ def test_the_stacks_rms_norm_is_the_float64_norm_within_float32_rounding(
     x, w = torch.randn(4, 1, 576, generator=g), torch.randn(576, generator=g)
     flat = torch.ops.kestrel.rms_norm_rows(x.view(4, 576), w, 1e-5)
     assert torch.equal(torch.ops.kestrel.rms_norm_rows(x, w, 1e-5), flat.view(4, 1, 576))
+
+
+def test_only_short_prompt_chunks_beside_decodes_run_as_decode_rows(
+        int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig]) -> None:  # noqa: F811
+    """The chunk as decode rows needs decodes to ride beside (a prompt alone keeps its one
+    SDPA) and a short context: its rows x its context within PROMPT_AS_DECODES_READS, since
+    each row reads its whole context in place where the chunk's SDPA reads it once."""
+    from engine_worker import model_runner
+
+    _, path, ref, _ = family
+    runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
+    dec = StepItem([40], 12, TABLES[0])
+    short = StepItem(PROMPT, 0, TABLES[1])
+    assert runner._prompts_as_decodes([dec, short])
+    assert not runner._prompts_as_decodes([short])  # nothing decoding
+    assert not runner._prompts_as_decodes([dec])  # nothing to prefill
+    far = StepItem(PROMPT, model_runner.PROMPT_AS_DECODES_READS // len(PROMPT), TABLES[1])
+    assert not runner._prompts_as_decodes([dec, far])  # its rows x context past the bound
+    runner.prompts_through_stack = False
+    assert not runner._prompts_as_decodes([dec, short])
