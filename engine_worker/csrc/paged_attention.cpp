@@ -275,20 +275,27 @@ inline void axpy_block(float* __restrict acc, const float* __restrict p,
 // x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial (Cephes expf coefficients,
 // ~1 ulp); 2^n put into the exponent bits. Below -87 the result flushes to 0, as expf's would
 // underflow.
+// The steps on a float or on W lanes alike (V float or vw): n (as a float) and exp(r).
+template <typename V>
+inline V exp_steps(V v, V* k_out) {
+  // round to nearest by the 1.5 * 2^23 trick: |v log2 e| < 2^22, and no libm call to block
+  // vectorisation (the compiler may not reassociate it away without -ffast-math)
+  const V k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const V r = v - k * 0.693359375f + k * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  *k_out = k;
+  return p * r * r + r + 1.f;
+}
+
 inline void exp_inplace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    float v = x[i] < -87.f ? -87.f : x[i];
-    // round to nearest by the 1.5 * 2^23 trick: |v log2 e| < 2^22, and no libm call to block
-    // vectorisation (the compiler may not reassociate it away without -ffast-math)
-    float k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
+    float k;
+    const float p = exp_steps(x[i] < -87.f ? -87.f : x[i], &k);
     int32_t e = (static_cast<int32_t>(k) + 127) << 23;
     float scale;
     std::memcpy(&scale, &e, sizeof(scale));
@@ -302,16 +309,8 @@ inline void exp_inplace(float* x, int64_t n) {
 typedef int32_t vwi __attribute__((vector_size(sizeof(vw))));
 inline vw exp_le0(vw x) {
   const vw m87 = vw{} - 87.f;
-  const vw v = x < m87 ? m87 : x;
-  const vw k = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const vw r = v - k * 0.693359375f + k * 2.12194440e-4f;
-  vw p = vw{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  vw k;
+  const vw p = exp_steps<vw>(x < m87 ? m87 : x, &k);
   const vwi e = (__builtin_convertvector(k, vwi) + 127) << 23;
   vw scale;
   std::memcpy(&scale, &e, sizeof(scale));
