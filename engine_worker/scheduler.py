@@ -11,8 +11,9 @@ A sequence is WAITING (queue, no blocks) or RUNNING (batch, blocks for all its t
 spends a budget of `max_num_batched_tokens`: first one token for every decoding sequence (plus up
 to `lookahead` draft slots each when the engine speculates), then the next chunk of every running
 prefill, then new admissions in FCFS order. The prompt rows (the last two) are further held to
-`prefill_rows(decode rows)`: what the step's measured time allows (engine_worker.step_costs), so
-that decoders are never stalled by a chunk sized in tokens on another host or model.
+`prefill_rows(decode rows, first prompt's length)`: what the step's measured time allows
+(engine_worker.step_costs), so that decoders are never stalled by a chunk sized in tokens on
+another host or model, nor a long prompt spread thinner than step_costs.PROMPT_SPREAD steps.
 
 Speculation: a decode chunk may carry drafts (`chunk.draft_token_ids`, filled by the engine's
 proposer after scheduling); `update` then receives every token the acceptance step emitted. Only
@@ -48,7 +49,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
-        prefill_rows: Callable[[int], int] | None = None,
+        prefill_rows: Callable[[int, int], int] | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs and max_model_len must be positive")
@@ -146,6 +147,15 @@ class Scheduler:
         return max(0, min(seq.params.max_tokens - seq.num_output_tokens,
                           self.max_model_len - seq.num_tokens) - 1)
 
+    def _first_prompt_rows(self) -> int:
+        """The length of the prompt first in line: the oldest running prefill's whole prompt
+        (not what is left of it, so that its allowance does not shrink with every chunk and
+        the prompt is done in about PROMPT_SPREAD steps), else the head of the queue's."""
+        for seq in self._running:
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                return seq.num_prompt_tokens
+        return self._waiting[0].num_tokens if self._waiting else 0
+
     def schedule(self, lookahead: int = 0) -> list[ScheduledChunk]:
         """This step's chunks; decodes get up to `lookahead` draft slots each (blocks reserved)."""
         budget = self.max_num_batched_tokens
@@ -177,7 +187,7 @@ class Scheduler:
             budget -= 1 + drafts
         if self.prefill_rows is not None:
             decode_rows = self.max_num_batched_tokens - budget
-            budget = min(budget, self.prefill_rows(decode_rows))
+            budget = min(budget, self.prefill_rows(decode_rows, self._first_prompt_rows()))
 
         # 2. Running prefills: their blocks were all allocated at admission.
         for seq in self._running:
