@@ -38,14 +38,15 @@ decoder's step is long (the 1.5B Qwen: 25-33 ms on the Zen 5, 22 under its AVX2 
 is above the floor and the floor changes nothing. With nothing decoding there is nobody to
 stall: prefill takes the whole row cap (--max-num-batched-tokens) for throughput.
 
-A long prompt is not spread thinner than PROMPT_SPREAD steps: a step carrying the prompt first in
-line may last its decoders' step plus 1/16 of that prompt's measured prefill, where that is
-longer than the bound above. Four conversations each sending a 2,500-token file to the 1.5B Qwen
-(Ice Lake, 2 vCPU) got ~12 prompt rows a step under the bound once the first one decoded: a
-first-turn TTFT p50 of 126 s against llama-server's 157, where prompt rows without the bound
-gave 76 s and 1.4x the output tokens a second. With the spread, a decoder beside a 2,500-token
-prompt waits ~1.3 s a token for at most ~16 steps; prompts of ~200 tokens (16 streams) stay
-within the bound and change nothing.
+A long prompt (LONG_PROMPT, 1,024 tokens or more: a file, not a chat turn) is not spread thinner
+than PROMPT_SPREAD steps: a step carrying it first in line may last its decoders' step plus 1/16
+of that prompt's measured prefill, where that is longer than the bound above. Four conversations
+each sending a 2,500-token file to the 1.5B Qwen (Ice Lake, 2 vCPU) got ~12 prompt rows a step
+under the bound once the first one decoded: a first-turn TTFT p50 of 126 s against
+llama-server's 157, where prompt rows without the bound gave 76 s and 1.4x the output tokens a
+second; with the spread 77 s and 1.5x. A decoder beside a 2,500-token prompt then waits ~1.3 s a
+token for ~16 steps. Applied to every prompt, the spread also stretched the steps of 16 streams
+of 200-token prompts (ITL p99 252 -> 494 ms, 29.6 -> 25.7 tok/s): hence the length.
 
 A mixed step teaches the prefill side what it took beyond the decode estimate; a decode-only step
 teaches the decode side. Costs never seen are borrowed from the nearest bucket measured (decode
@@ -81,9 +82,10 @@ DEFAULT_STEP_FLOOR_S = 0.05  # ... but they may always last this long (see above
 # Where D decoders alone take the one-stream bound, prompt rows still get this share of a step.
 MIN_PROMPT_SHARE = 0.1
 LOG_EVERY_S = 30.0  # the sizing is logged when it changes by a quarter, at most this often
-# A prompt first in line may stretch a step carrying it to 1/PROMPT_SPREAD of its own prefill
-# (see the module's docstring)
+# A long prompt first in line may stretch a step carrying it to 1/PROMPT_SPREAD of its own
+# prefill (see the module's docstring); long: LONG_PROMPT tokens or more
 PROMPT_SPREAD = 16
+LONG_PROMPT = 1024
 
 
 def _bucket(edges: tuple[int, ...], rows: int) -> int:
@@ -216,8 +218,8 @@ class StepCosts:
             return min(cap, PREFILL_BUCKETS[1])
         target = self.step_target_s(decode_rows)
         assert target is not None
-        per_row = self.prefill_row_s(min(prompt, cap)) if prompt > 0 else None
-        if per_row:  # the prompt in at most PROMPT_SPREAD steps beside these decoders
+        per_row = self.prefill_row_s(min(prompt, cap)) if prompt >= LONG_PROMPT else None
+        if per_row:  # a long prompt in at most PROMPT_SPREAD steps beside these decoders
             target = max(target, base + prompt * per_row / PROMPT_SPREAD)
         rows = min(cap, max(self._rows_in(target - base, cap), self.least_rows()))
         self._log_choice(rows, decode_rows, base)

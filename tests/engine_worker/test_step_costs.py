@@ -17,6 +17,7 @@ from engine_worker.scheduler import Scheduler
 from engine_worker.step_costs import (
     AMORTIZE,
     DEFAULT_STEP_FLOOR_S,
+    LONG_PROMPT,
     MIN_PROMPT_SHARE,
     PROMPT_SPREAD,
     StepCosts,
@@ -170,11 +171,10 @@ def test_the_scheduler_holds_a_prompt_chunk_to_the_measured_share_while_others_d
     decode = [ch for ch in chunks if ch.seq.request_id == "a"]
     prompt = [ch for ch in chunks if ch.seq.request_id == "b"]
     assert [ch.num_tokens for ch in decode] == [1]
-    # the measured share alone gives 3 rows; a 300-row prompt is not spread thinner than
-    # PROMPT_SPREAD steps (16: ~18 rows a step)
-    assert c.prefill_rows(1) == 3
+    # the measured share: 3 rows (a prompt this short is not a long one)
+    assert 300 < LONG_PROMPT
     assert [ch.num_tokens for ch in prompt] == [c.prefill_rows(1, 300)] \
-        == [300 // PROMPT_SPREAD]
+        == [c.prefill_rows(1)] == [3]
     sched.update(chunks, model.run(chunks))
     # the old policy, a token budget alone, would have taken all 300 rows in that step
     plain = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
@@ -190,8 +190,8 @@ def test_a_long_prompt_is_spread_over_about_prompt_spread_steps_beside_a_decoder
     """Four conversations each sending a 2,500-token file: under the share alone, ~12 rows a
     step once one decodes (a first-turn TTFT of 126 s on the 1.5B, Ice Lake). The prompt first
     in line may stretch the step to 1/PROMPT_SPREAD of its own prefill, its whole length
-    counted (not what is left), so it is done in about PROMPT_SPREAD steps; a short prompt
-    keeps the share's rows."""
+    counted (not what is left), so it is done in about PROMPT_SPREAD steps; a prompt shorter
+    than LONG_PROMPT keeps the share's rows."""
     c = costs()
     sched = Scheduler(BlockManager(4096, 4), max_num_seqs=8, max_num_batched_tokens=4096,
                       max_model_len=4096, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
@@ -210,7 +210,8 @@ def test_a_long_prompt_is_spread_over_about_prompt_spread_steps_beside_a_decoder
         if not prompt or prompt[0] < 2400 // PROMPT_SPREAD:  # its last chunk
             break
     assert PROMPT_SPREAD <= steps <= PROMPT_SPREAD + 1, steps
-    assert c.prefill_rows(1, 40) == c.prefill_rows(1) == 3  # short: the share decides
+    # short (chat-sized, 16 streams of 200 tokens): the share decides
+    assert c.prefill_rows(1, LONG_PROMPT - 1) == c.prefill_rows(1) == 3
 
 
 def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
