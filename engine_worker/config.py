@@ -104,8 +104,8 @@ class WorkerConfig:
                                   "on a GPU), float32, bfloat16, float16, or int8 / fp8 (one "
                                   "byte a value and a float16 scale per 32: about half a "
                                   "16-bit cache; engine_worker/kv_cache.py). int8 kept the "
-                                  "1.5B Qwen's perplexity within 0.2 %; fp8's 3 mantissa bits "
-                                  "cost it 56 % (SmolLM2 0.3 %)")
+                                  "1.5B Qwen's perplexity within 0.2 %%; fp8's 3 mantissa bits "
+                                  "cost it 56 %% (SmolLM2 0.3 %%)")
     block_size: int = setting(16, "tokens per KV cache block")
     max_model_len: int = setting(0, "longest prompt + output in tokens (0: checkpoint's "
                                  "context clamped to the KV capacity)")

@@ -134,8 +134,7 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if compiled and self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
-        as_decodes = self._prompts_as_decodes(items)
-        ids, positions, meta, rows = self._prepare(items, as_decodes)
+        ids, positions, meta, rows = self._prepare(items, self._prompts_as_decodes(items))
         stack = self.decode_stack if self.use_stack else None
         choice = self.thread_choice if stack is not None else None
         if stack is not None and meta.num_decode < ids.shape[0] and self._one_kernel(ids.shape[0]):
@@ -155,22 +154,22 @@ class ModelRunner:
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
 
-    def _prompts_as_decodes(self, items: list[StepItem]) -> bool:
-        """Whether this step's prompt chunks run through the C++ stack as decode rows, one row
-        a token reading its own prefix from the cache (as verification rows do), beside the
-        step's decodes: a mixed step in one C++ pass, without the Python layers' ~25 torch calls
-        a layer. Only where every row takes the integer-dot kernel anyway (the same matmuls,
-        the same bits a row) and each chunk reads a short context: the in-place kernel reads a
-        row's whole context for each of its rows, where the chunk's SDPA reads it once."""
+    def _prompts_as_decodes(self, items: list[StepItem]) -> set[int]:
+        """The prompt chunks of this step (their indices) that run as decode rows, one row a
+        token reading its own prefix from the cache (as verification rows do): through the C++
+        stack with the step's decodes, one pass without the Python layers' ~25 torch calls a
+        layer. A short chunk whose rows take the integer-dot kernel (the same matmuls, the same
+        bits a row) and whose rows x context are few: the in-place kernel reads a row's whole
+        context for each of its rows, where the chunk's SDPA reads it once. The choice is the
+        chunk's own, whatever runs beside it, so a prompt's numbers do not depend on its batch
+        (tests/e2e/test_batch_invariance.py)."""
         if not (self.use_stack and self.prompts_through_stack):
-            return False
-        prompts = [it for it in items if len(it.token_ids) > 1 and not _verify_as_decodes(it)]
-        if not prompts or len(prompts) == len(items):
-            return False  # no prompt, or no decode for the stack to carry them beside
-        rows = sum(len(it.token_ids) for it in items)
-        return self._one_kernel(rows) and all(
-            len(it.token_ids) * (it.start_pos + len(it.token_ids)) <= PROMPT_AS_DECODES_READS
-            for it in prompts)
+            return set()
+        return {i for i, it in enumerate(items)
+                if len(it.token_ids) > 1 and not _verify_as_decodes(it)
+                and self._one_kernel(len(it.token_ids))
+                and len(it.token_ids) * (it.start_pos + len(it.token_ids))
+                <= PROMPT_AS_DECODES_READS}
 
     @property
     def mixed_steps_one_pass(self) -> bool:
@@ -226,7 +225,7 @@ class ModelRunner:
         item.check(self.max_model_len, self.block_size, self.num_blocks)
 
     def _prepare(
-        self, items: list[StepItem], prompts_as_decodes: bool = False
+        self, items: list[StepItem], prompts_as_decodes: set[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttnMeta, torch.Tensor]:
         bs = self.block_size
         for it in items:
@@ -236,10 +235,11 @@ class ModelRunner:
         # one decode row per token, each attending to its own prefix: its logits are then
         # exactly those one-token decodes would give, so greedy speculation keeps the text of
         # decoding without it (a prefill-style pass sums the attention in another order, and a
-        # near tie can flip). With `prompts_as_decodes`, prompt chunks too (_prompts_as_decodes).
+        # near tie can flip). The chunks in `prompts_as_decodes` too (_prompts_as_decodes).
+        as_rows = prompts_as_decodes or set()
         expanded = [(i, StepItem([t], it.start_pos + j, it.block_table))
                     for i, it in enumerate(items)
-                    if len(it.token_ids) == 1 or _verify_as_decodes(it) or prompts_as_decodes
+                    if len(it.token_ids) == 1 or _verify_as_decodes(it) or i in as_rows
                     for j, t in enumerate(it.token_ids)]
         as_decode = {i for i, _ in expanded}
         prefill_idx = [i for i in range(len(items)) if i not in as_decode]

@@ -83,6 +83,7 @@ def test_a_mixed_step_on_the_integer_dot_kernel_is_one_pass_with_the_stacks_bits
     prompts = [PROMPT, PROMPT[:7]]
     for p, table in zip(prompts, TABLES[:2], strict=True):
         runner.execute([StepItem(p, 0, table)])
+    calls.clear()  # the prompts above (through the stack or not, as the switch says)
     decodes = [StepItem([40 + i], len(p), t)
                for i, (p, t) in enumerate(zip(prompts, TABLES[:2], strict=True))]
     kv = runner.kv_cache
@@ -152,21 +153,26 @@ def test_the_stacks_rms_norm_is_the_float64_norm_within_float32_rounding(
     assert torch.equal(torch.ops.kestrel.rms_norm_rows(x, w, 1e-5), flat.view(4, 1, 576))
 
 
-def test_only_short_prompt_chunks_beside_decodes_run_as_decode_rows(
+def test_only_short_prompt_chunks_run_as_decode_rows_whatever_runs_beside_them(
         int_dot_kernel: None, family: tuple[str, Path, Path, ModelConfig]) -> None:  # noqa: F811
-    """The chunk as decode rows needs decodes to ride beside (a prompt alone keeps its one
-    SDPA) and a short context: its rows x its context within PROMPT_AS_DECODES_READS, since
-    each row reads its whole context in place where the chunk's SDPA reads it once."""
+    """A chunk runs as decode rows when its rows x its context are within
+    PROMPT_AS_DECODES_READS (each row reads its whole context in place, where the chunk's SDPA
+    reads it once), alone or beside decodes alike: the choice is the chunk's own, so its
+    numbers do not depend on its batch."""
     from engine_worker import model_runner
 
     _, path, ref, _ = family
     runner = ModelRunner(RunnerConfig(ref, 1 << 22, gguf_path=path))
     dec = StepItem([40], 12, TABLES[0])
     short = StepItem(PROMPT, 0, TABLES[1])
-    assert runner._prompts_as_decodes([dec, short])
-    assert not runner._prompts_as_decodes([short])  # nothing decoding
-    assert not runner._prompts_as_decodes([dec])  # nothing to prefill
-    far = StepItem(PROMPT, model_runner.PROMPT_AS_DECODES_READS // len(PROMPT), TABLES[1])
-    assert not runner._prompts_as_decodes([dec, far])  # its rows x context past the bound
+    far = StepItem(PROMPT, model_runner.PROMPT_AS_DECODES_READS // len(PROMPT), TABLES[2])
+    assert runner._prompts_as_decodes([dec, short]) == {1}
+    assert runner._prompts_as_decodes([short]) == {0}  # alone: the same choice
+    assert runner._prompts_as_decodes([dec]) == set()  # nothing to prefill
+    assert runner._prompts_as_decodes([dec, far, short]) == {2}  # far: past the bound
+    alone = runner.execute([short])[0]
+    runner.execute([StepItem(PROMPT, 0, TABLES[0])])  # dec's context
+    beside = runner.execute([dec, short])[1]
+    assert torch.equal(alone, beside)  # the same bits, batch or no batch
     runner.prompts_through_stack = False
-    assert not runner._prompts_as_decodes([dec, short])
+    assert runner._prompts_as_decodes([dec, short]) == set()
