@@ -134,7 +134,8 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if compiled and self.compiled is not None and self.compiled.supports(items):
             return self.compiled.run(items)  # (B, V): same rows as the eager path
-        ids, positions, meta, rows = self._prepare(items, self._prompts_as_decodes(items))
+        as_rows = self._prompts_as_decodes(items)
+        ids, positions, meta, rows = self._prepare(items, as_rows)
         stack = self.decode_stack if self.use_stack else None
         choice = self.thread_choice if stack is not None else None
         if stack is not None and meta.num_decode < ids.shape[0] and self._one_kernel(ids.shape[0]):
@@ -150,7 +151,8 @@ class ModelRunner:
         choice.threads()
         t0 = time.perf_counter()
         logits = self.model(ids, positions, meta, self.kv_cache, rows, stack=stack)
-        if meta.num_decode == ids.shape[0]:  # decode-only steps are the ones compared
+        if meta.num_decode == ids.shape[0] and not as_rows:
+            # decode-only steps are the ones compared (not prompt chunks run as decode rows)
             choice.record(meta.num_decode, time.perf_counter() - t0)
         return logits
 

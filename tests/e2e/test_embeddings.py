@@ -37,8 +37,8 @@ def cosine(a: list[float], b: list[float]) -> float:
         sum(x * x for x in a) * sum(y * y for y in b))
 
 
-def post(base: str, **body: Any) -> httpx.Response:
-    return httpx.post(base + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+def post(base: str, timeout: float = 60, **body: Any) -> httpx.Response:
+    return httpx.post(base + "/v1/embeddings", json={"model": MODEL, **body}, timeout=timeout)
 
 
 def test_embeddings_create_ranks_a_paraphrase_above_an_unrelated_sentence(
@@ -129,7 +129,9 @@ def test_a_small_embedding_request_is_not_held_behind_a_2048_input_batch(base: s
     batch = [f"cat {i}" for i in range(2048)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
-        big = pool.submit(post, base, input=batch)
+        # the batch's own time is not what is asserted: a 2-vCPU Ice Lake under -n 2 took
+        # over 60 s for it
+        big = pool.submit(post, base, 300, input=batch)
         time.sleep(1.0)  # the batch is tokenized and running
         t = time.monotonic()
         small = post(base, input=UNRELATED)
