@@ -31,18 +31,19 @@ import torch
 from engine_worker.model.config import ModelConfig
 
 # --kv-cache-dtype names of the 8-bit caches: the codes' dtype and the largest code
-SCALED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+SCALED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+TOP = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # a code dtype's largest code
 GROUP = 32  # values per scale along D
 
 
 def kv_torch_dtype(name: str) -> torch.dtype:
     """The cache tensors' dtype for a --kv-cache-dtype name (auto resolved already)."""
-    return SCALED[name][0] if name in SCALED else getattr(torch, name)
+    return SCALED.get(name) or getattr(torch, name)
 
 
 def is_scaled(dtype: torch.dtype) -> bool:
     """Whether a cache of this dtype holds codes and per-group scales (the 8-bit caches)."""
-    return dtype in (torch.int8, torch.float8_e4m3fn)
+    return dtype in TOP
 
 
 def scale_groups(d: int) -> int:
@@ -76,12 +77,12 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)
     n, hkv, d = x.shape
     ng = scale_groups(d)
-    code_dtype, top = SCALED["int8" if dtype == torch.int8 else "fp8"]
+    top = TOP[dtype]
     xf = x.float().reshape(n, hkv, ng, d // ng)
     scale = (xf.abs().amax(-1, keepdim=True) / top).to(torch.float16)  # (N, Hkv, ng, 1)
     q = xf / torch.where(scale == 0, 1.0, scale.float())  # an all-zero group: codes 0
     q = q.round().clamp(-top, top) if dtype == torch.int8 else q.clamp(-top, top)
-    codes = q.to(code_dtype).view(torch.int8).reshape(n, hkv, d)
+    codes = q.to(dtype).view(torch.int8).reshape(n, hkv, d)
     scales = scale.reshape(n, hkv, ng).view(torch.int8)  # (N, Hkv, 2 * ng) bytes
     return torch.cat([codes, scales], dim=-1).view(dtype)
 

@@ -155,18 +155,28 @@ def test_steps_are_measured_into_histograms_for_metrics() -> None:
         StepCosts(512, prefill_share=1.0)
 
 
+def prompt_beside_a_decoder(c: StepCosts | None, prompt: int, rows: int = 512,
+                            ) -> tuple[Scheduler, FakeModel]:
+    """A scheduler sized by `c` (None: by tokens alone) where "a" (10 tokens) has been
+    prefilled alone, with the whole prompt in one step, and now decodes; then "b" of `prompt`
+    tokens is added."""
+    sched = Scheduler(BlockManager(rows, 4), max_num_seqs=8, max_num_batched_tokens=rows,
+                      max_model_len=max(2048, rows), eos_token_ids=[EOS],
+                      prefill_rows=None if c is None else c.prefill_rows)
+    model = FakeModel()
+    sched.add(make_seq("a", 10, max_tokens=100))
+    first = sched.schedule()
+    assert [ch.num_tokens for ch in first] == [10]  # nothing decodes: the whole prompt
+    sched.update(first, model.run(first))
+    sched.add(make_seq("b", prompt, max_tokens=5))
+    return sched, model
+
+
 def test_the_scheduler_holds_a_prompt_chunk_to_the_measured_share_while_others_decode() -> None:
     """Before, a step took max_num_batched_tokens (512) prompt rows whatever they cost: on the
     1.5B that was an 8 s step, and every decoder waited for it."""
     c = costs()
-    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
-                      max_model_len=2048, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
-    model = FakeModel()
-    sched.add(make_seq("a", 10, max_tokens=50))
-    first = sched.schedule()
-    assert [ch.num_tokens for ch in first] == [10]  # nothing decodes: the whole prompt
-    sched.update(first, model.run(first))
-    sched.add(make_seq("b", 300, max_tokens=5))
+    sched, model = prompt_beside_a_decoder(c, 300)
     chunks = sched.schedule()
     decode = [ch for ch in chunks if ch.seq.request_id == "a"]
     prompt = [ch for ch in chunks if ch.seq.request_id == "b"]
@@ -177,12 +187,7 @@ def test_the_scheduler_holds_a_prompt_chunk_to_the_measured_share_while_others_d
         == [c.prefill_rows(1)] == [3]
     sched.update(chunks, model.run(chunks))
     # the old policy, a token budget alone, would have taken all 300 rows in that step
-    plain = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
-                      max_model_len=2048, eos_token_ids=[EOS])
-    plain.add(make_seq("a", 10, max_tokens=50))
-    step = plain.schedule()
-    plain.update(step, FakeModel().run(step))
-    plain.add(make_seq("b", 300, max_tokens=5))
+    plain, _ = prompt_beside_a_decoder(None, 300)
     assert sorted(ch.num_tokens for ch in plain.schedule()) == [1, 300]
 
 
@@ -193,13 +198,7 @@ def test_a_long_prompt_is_spread_over_about_prompt_spread_steps_beside_a_decoder
     counted (not what is left), so it is done in about PROMPT_SPREAD steps; a prompt shorter
     than LONG_PROMPT keeps the share's rows."""
     c = costs()
-    sched = Scheduler(BlockManager(4096, 4), max_num_seqs=8, max_num_batched_tokens=4096,
-                      max_model_len=4096, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
-    model = FakeModel()
-    sched.add(make_seq("a", 10, max_tokens=100))
-    first = sched.schedule()
-    sched.update(first, model.run(first))
-    sched.add(make_seq("b", 2400, max_tokens=5))
+    sched, model = prompt_beside_a_decoder(c, 2400, rows=4096)
     steps = 0
     while True:
         chunks = sched.schedule()
@@ -218,13 +217,8 @@ def test_a_prompts_last_block_goes_whole_whatever_the_share() -> None:
     """A warm run (the rows past its cached blocks) is computed in one chunk alone or beside
     decoders: the same rows through the same kernels, so the same numbers."""
     c = costs()  # 3 prompt rows beside one decoder
-    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=512,
-                      max_model_len=2048, eos_token_ids=[EOS], prefill_rows=c.prefill_rows)
-    model = FakeModel()
-    sched.add(make_seq("a", 10, max_tokens=50))
-    first = sched.schedule()
-    sched.update(first, model.run(first))
-    sched.add(make_seq("b", 4, max_tokens=5))  # one block (4 rows): more than the 3 allowed
+    # "b": one block (4 rows), more than the 3 allowed
+    sched, _ = prompt_beside_a_decoder(c, 4)
     chunks = sched.schedule()
     assert sorted(ch.num_tokens for ch in chunks) == [1, 4]
 
