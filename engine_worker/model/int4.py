@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.model.int8 import kernel_dtype
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick, routes_dtype
 
 _INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+TILED_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU kernel tiles (and N % 16 == 0)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -31,10 +31,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
-def kernel_routes(use_kernel: bool, dtype: torch.dtype) -> tuple[Route, ...]:
-    """One path at every row count: torch's packed kernel in `dtype`, or dequantize."""
-    return (Route(ALL, "int4", str(dtype).removeprefix("torch.")),) if use_kernel \
-        else (Route(ALL, "dequantize"),)
+def default_routes(device: torch.device, fits: bool) -> tuple[Route, ...]:
+    """Without a plan: torch's packed kernel with bfloat16 activations on CPU where it tiles
+    the shape (`fits`), else dequantize."""
+    if _INT4_MM is not None and device.type == "cpu" and fits:
+        return (Route(ALL, "int4", "bfloat16"),)
+    return (Route(ALL, "dequantize"),)
 
 
 class Int4GroupLinear(nn.Module):
@@ -68,8 +70,7 @@ class Int4GroupLinear(nn.Module):
     @classmethod
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
-        compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
-        clip_search: bool = False,
+        routes: tuple[Route, ...] | None = None, clip_search: bool = False,
     ) -> Int4GroupLinear:
         """Round-to-nearest over each group's [min, max]; with clip_search, each group also
         tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared error
@@ -77,12 +78,9 @@ class Int4GroupLinear(nn.Module):
         n, k = weight.shape
         if k % group_size or k % 2:
             raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
-        fits = n % 16 == 0 and group_size in (32, 64, 128, 256)
-        if use_kernel is None:
-            use_kernel = _INT4_MM is not None and weight.device.type == "cpu" and fits
-        if compute_dtype is None:
-            compute_dtype = kernel_dtype(weight.device, weight.dtype) if use_kernel \
-                else weight.dtype
+        if routes is None:
+            routes = default_routes(weight.device, n % 16 == 0 and group_size in TILED_GROUPS)
+        compute_dtype = routes_dtype(routes) or weight.dtype  # the scales' and zeros'
         w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
         q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
         if clip_search:  # per group, the clipped range with the least squared error
@@ -98,7 +96,7 @@ class Int4GroupLinear(nn.Module):
                 q = torch.where(better[..., None], q2, q)
                 scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
         return cls.from_codes(q.view(n, k), scale, zero, group_size, bias,
-                              routes=kernel_routes(use_kernel, compute_dtype))
+                              routes=routes)
 
     @classmethod
     def from_codes(

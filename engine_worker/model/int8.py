@@ -1,8 +1,8 @@
 """INT8 weights, symmetric per output channel: a linear layer and an embedding table that may
 share one quantized matrix with a tied head (engine_worker/model/quant.py swaps them in).
 
-    x (M, K) --Int8Linear--> (M, N): torch's packed int8 matmul on CPU, activations in bfloat16
-                                     (`kernel_dtype`); elsewhere dequantize, then F.linear
+    x (M, K) --Int8Linear--> (M, N): by its routes, torch's packed int8 matmul (on CPU,
+                                     activations in bfloat16), or dequantize, then F.linear
     ids (N,) --Int8Embedding--> (N, C): rows gathered in int8, scaled per row
 """
 
@@ -12,62 +12,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick, routes_dtype
+
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
 
 
-def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """Dtype the CPU kernels compute in: bfloat16 (the fast one measured), whatever the model's."""
-    return torch.bfloat16 if device.type == "cpu" else dtype
+def default_routes(device: torch.device) -> tuple[Route, ...]:
+    """Without a plan: torch's kernel with bfloat16 activations on CPU (the fast one measured),
+    else dequantize."""
+    if _INT8_MM is not None and device.type == "cpu":
+        return (Route(ALL, "int8", "bfloat16"),)
+    return (Route(ALL, "dequantize"),)
+
+
+def per_row(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (N, K) int8, scales (N,) in `dtype`): scale = max|w[n, :]| / 127, codes rounded
+    against the stored scale."""
+    w = weight.detach().float()  # (N, K)
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(dtype)  # (N,)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
 
 
 class Int8Linear(nn.Module):
     """Symmetric per-output-channel INT8: w[n, :] ~= qweight[n, :] * scales[n],
-    scales[n] = max|w[n, :]| / 127. 1 byte a weight plus one float per row."""
+    scales[n] = max|w[n, :]| / 127. 1 byte a weight plus one number per row.
+
+    `routes` (model/matmul_plan.py): the path each row count takes, "int8" (torch's kernel, the
+    activations in the route's dtype) or "dequantize" (in the activations' dtype); the scales
+    are kept in the dtype of the route that names one (else the weights')."""
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-        use_kernel: bool,
+        routes: tuple[Route, ...],
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.register_buffer("qweight", qweight)  # (N, K) int8
-        self.register_buffer("scales", scales)  # (N,) compute dtype
+        self.register_buffer("scales", scales)  # (N,)
         self.register_buffer("bias", bias)  # (N,) model dtype or None
-        self.use_kernel = use_kernel
-        # one path at every row count (model/matmul_plan.py): torch's kernel, or dequantize
-        self.path = "_kernel" if use_kernel else "_dequantized"
+        self.routes = routes
+        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
 
     @classmethod
-    def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-        compute_dtype: torch.dtype | None = None, use_kernel: bool | None = None,
-    ) -> Int8Linear:
-        if use_kernel is None:
-            use_kernel = _INT8_MM is not None and weight.device.type == "cpu"
-        if compute_dtype is None:
-            compute_dtype = kernel_dtype(weight.device, weight.dtype) if use_kernel \
-                else weight.dtype
-        w = weight.detach().float()  # (N, K)
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(compute_dtype)  # (N,)
-        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales, None if bias is None else bias.detach().clone(),
-                   use_kernel)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   routes: tuple[Route, ...] | None = None) -> Int8Linear:
+        routes = default_routes(weight.device) if routes is None else routes
+        q, scales = per_row(weight, routes_dtype(routes) or weight.dtype)
+        return cls(q, scales, None if bias is None else bias.detach().clone(), routes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])  # (N, K)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
         return _INT8_MM(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)
 
-    def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = getattr(self, self.path)(x)
+        y = getattr(self, pick(self.table, x.shape[0]))(x)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kernel={self.use_kernel}"
+        return (f"in={self.in_features}, out={self.out_features}, "
+                f"routes={describe_routes(self.routes)}")
 
 
 class Int8Embedding(nn.Module):
@@ -82,8 +91,7 @@ class Int8Embedding(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Embedding:
-        q = Int8Linear.from_float(weight, compute_dtype=torch.float32, use_kernel=False)
-        return cls(q.qweight, q.scales, weight.dtype)
+        return cls(*per_row(weight, torch.float32), weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)  # (N, C)

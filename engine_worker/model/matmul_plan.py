@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine_worker import int_dot
 
 ALL = 1 << 62  # a route's bound: every row count above the previous route's
@@ -60,6 +62,13 @@ def pick(routes: tuple[tuple[int, Any], ...], rows: int) -> Any:
         if rows <= upto:
             return entry
     return routes[-1][1]
+
+
+def routes_dtype(routes: tuple[Route, ...]) -> Any:
+    """The torch dtype a quantized layer keeps its scales in: that of its first route naming
+    one other than a float copy's (None: the weights' own)."""
+    name = next((r.dtype for r in routes if r.dtype and r.path != "dense"), "")
+    return getattr(torch, name) if name else None
 
 
 def _nonempty(routes: tuple[Route, ...]) -> tuple[Route, ...]:

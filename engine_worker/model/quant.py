@@ -11,14 +11,15 @@ Data flow of `quantize_model(model, "int8" | "int4", group_size)`, run once afte
 
 The layers are in int8.py, int4.py and quant_group.py (group-wise INT8, the GGUF Q8_0 layout).
 A quantized layer's forward is `x (M, K) -> (M, N)` like nn.Linear, so llama.py calls it
-unchanged. Two paths compute it:
+unchanged. Each is built with the routes the plan gives its kind (model/matmul_plan.py), which
+name the path per row count; two paths compute it:
   - kernel: torch's packed weight-only matmuls (`_weight_int8pack_mm`,
     `_weight_int4pack_mm_for_cpu`) on CPU. Their float32 paths measured ~10x slower than a float
     matmul here, their bfloat16 paths 2-7x faster (avx512_bf16), so on CPU activations enter
-    them in bfloat16 (`compute_dtype`) and leave in the caller's dtype.
+    them in bfloat16 (the route's dtype) and leave in the caller's dtype.
   - fallback: dequantize to the activations' dtype, then F.linear. Every other device (CUDA
     included, for now), and shapes the kernel refuses (INT4 needs N % 16 == 0).
-Tests hold the two against each other. Scales (and zeros) are stored in the compute dtype and
+Tests hold the two against each other. Scales (and zeros) are stored in the route's dtype and
 weights are rounded against the stored values, so rounding a scale adds no error of its own.
 """
 
@@ -31,9 +32,9 @@ import torch
 from torch import nn
 
 from engine_worker.config import QUANT_GROUP_SIZES, QUANTIZATIONS, check_choice
-from engine_worker.model.int4 import Int4GroupLinear
+from engine_worker.model.int4 import TILED_GROUPS, Int4GroupLinear
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
-from engine_worker.model.matmul_plan import MatmulPlan, Route
+from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import GROUP, Int8GroupEmbedding, Int8GroupLinear
 
 log = logging.getLogger("kestrel.quant")
@@ -123,13 +124,6 @@ class QuantReport:
                 f"{len(self.skipped)} left in float)")
 
 
-def _kernel(route: Route) -> tuple[bool, torch.dtype | None]:
-    """(use torch's kernel, its activations' dtype) for a route (None: the weights')."""
-    if route.path == "dequantize":
-        return False, None
-    return True, getattr(torch, route.dtype)
-
-
 def _quantize(
     w: torch.Tensor, b: torch.Tensor | None, name: str, mode: str, group_size: int,
     report: QuantReport, plan: MatmulPlan, clip_search: bool,
@@ -139,8 +133,7 @@ def _quantize(
         return Int8GroupLinear.from_float(w, routes=plan.routes("int8_groups", head=True))
     if mode in ("int8", "int8g32"):
         report.group_sizes[name] = 0
-        use_kernel, dtype = _kernel(plan.routes("int8")[0])
-        return Int8Linear.from_float(w, b, compute_dtype=dtype, use_kernel=use_kernel)
+        return Int8Linear.from_float(w, b, routes=plan.routes("int8"))
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -150,10 +143,9 @@ def _quantize(
     if g != group_size:
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
-    fits = w.shape[0] % 16 == 0 and g in (32, 64, 128, 256)  # torch's kernel tiles these
-    use_kernel, dtype = _kernel(plan.routes("int4", fits=fits)[0])
-    return Int4GroupLinear.from_float(w, b, group_size=g, compute_dtype=dtype,
-                                      use_kernel=use_kernel, clip_search=clip_search)
+    fits = w.shape[0] % 16 == 0 and g in TILED_GROUPS
+    return Int4GroupLinear.from_float(w, b, group_size=g, routes=plan.routes("int4", fits=fits),
+                                      clip_search=clip_search)
 
 
 @torch.no_grad()

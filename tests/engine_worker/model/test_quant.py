@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_worker.model.int4 import Int4GroupLinear, pack_int4, unpack_int4
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
-from engine_worker.model.matmul_plan import MatmulPlan
+from engine_worker.model.matmul_plan import ALL, MatmulPlan, Route
 from engine_worker.model.quant import (
     decode_read_bytes,
     pick_group_size,
@@ -23,6 +23,11 @@ from engine_worker.model.weights import load_model
 
 HAS_INT8_KERNEL = hasattr(torch, "_weight_int8pack_mm")
 HAS_INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def only(path: str, dtype: torch.dtype | None = None) -> tuple[Route, ...]:
+    """One path at every row count (the scales in `dtype`, else the weights')."""
+    return (Route(ALL, path, str(dtype).removeprefix("torch.") if dtype else ""),)
 
 
 def gaussian(n: int, k: int, seed: int = 0, std: float = 0.02) -> torch.Tensor:
@@ -40,13 +45,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_int8_cosine_on_random_inputs(use_kernel: bool) -> None:
     w, b = gaussian(384, 576), torch.randn(384) * 0.01
     x = torch.randn(32, 576, generator=torch.Generator().manual_seed(1))
-    q = Int8Linear.from_float(w, b, use_kernel=use_kernel)
+    q = Int8Linear.from_float(w, b, routes=only("int8", torch.bfloat16) if use_kernel
+                              else only("dequantize"))
     assert cosine(q(x), F.linear(x, w, b)) > 0.998
 
 
 def test_int8_per_channel_scale_is_absmax_over_127() -> None:
     w = gaussian(64, 128)
-    q = Int8Linear.from_float(w, compute_dtype=torch.float32, use_kernel=False)
+    q = Int8Linear.from_float(w, routes=only("dequantize", torch.float32))
     torch.testing.assert_close(q.scales, w.abs().amax(1) / 127)
     assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() == 127
     err = (q.dequantize() - w).abs()
@@ -55,7 +61,7 @@ def test_int8_per_channel_scale_is_absmax_over_127() -> None:
 
 def test_int8_storage_at_most_055_of_float16() -> None:
     w = gaussian(576, 576)
-    q = Int8Linear.from_float(w, compute_dtype=torch.float32)  # float32 scales: the worst case
+    q = Int8Linear.from_float(w, routes=only("int8", torch.float32))  # float32 scales: the worst
     assert weight_bytes(q) <= 0.55 * w.numel() * 2
 
 
@@ -63,8 +69,8 @@ def test_int8_storage_at_most_055_of_float16() -> None:
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_matches_fallback(compute_dtype: torch.dtype) -> None:
     w, x = gaussian(256, 192), torch.randn(5, 192)
-    fast = Int8Linear.from_float(w, compute_dtype=compute_dtype, use_kernel=True)
-    slow = Int8Linear.from_float(w, compute_dtype=compute_dtype, use_kernel=False)
+    fast = Int8Linear.from_float(w, routes=only("int8", compute_dtype))
+    slow = Int8Linear.from_float(w, routes=only("dequantize", compute_dtype))
     assert torch.equal(fast.qweight, slow.qweight)
     tol = 1e-4 if compute_dtype == torch.float32 else 2e-2  # bf16 activations: ~3 digits
     torch.testing.assert_close(fast(x), slow(x), rtol=tol, atol=tol)
@@ -93,8 +99,7 @@ def test_int4_storage_is_half_byte_plus_scales_and_zeros(group: int) -> None:
 def test_int4_dequantized_within_half_a_step(group: int) -> None:
     n, k = 128, 512
     w = gaussian(n, k, seed=group) + torch.linspace(-0.05, 0.05, k)  # groups off-centre too
-    q = Int4GroupLinear.from_float(w, group_size=group, compute_dtype=torch.float32,
-                                   use_kernel=False)
+    q = Int4GroupLinear.from_float(w, group_size=group, routes=only("dequantize", torch.float32))
     scale = q.scales_zeros[..., 0].t().repeat_interleave(group, dim=1)  # (N, K)
     err = (q.dequantize() - w).abs()
     assert (err <= scale / 2 * (1 + 1e-5) + 1e-7).all()
@@ -106,10 +111,9 @@ def test_int4_dequantized_within_half_a_step(group: int) -> None:
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_kernel_matches_fallback(compute_dtype: torch.dtype, group: int) -> None:
     w, x = gaussian(320, 576), torch.randn(7, 576)
-    fast = Int4GroupLinear.from_float(w, group_size=group, compute_dtype=compute_dtype,
-                                      use_kernel=True)
-    slow = Int4GroupLinear.from_float(w, group_size=group, compute_dtype=compute_dtype,
-                                      use_kernel=False)
+    fast = Int4GroupLinear.from_float(w, group_size=group, routes=only("int4", compute_dtype))
+    slow = Int4GroupLinear.from_float(w, group_size=group,
+                                      routes=only("dequantize", compute_dtype))
     assert fast.use_kernel and not slow.use_kernel
     assert torch.equal(fast.scales_zeros, slow.scales_zeros)
     torch.testing.assert_close(fast.dequantize(), slow.dequantize(), rtol=1e-5, atol=1e-6)

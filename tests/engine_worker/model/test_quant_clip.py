@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from engine_worker.model.int4 import Int4GroupLinear
+from engine_worker.model.matmul_plan import ALL, Route
 
 
 def test_clip_search_lowers_weight_error_on_heavy_tailed_weights() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.distributions.StudentT(3.0).sample((64, 256))  # heavy tails: outliers per group
-    kw = {"group_size": 32, "compute_dtype": torch.float32, "use_kernel": False}
+    kw = {"group_size": 32, "routes": (Route(ALL, "dequantize", "float32"),)}
     rtn = Int4GroupLinear.from_float(w, **kw)
     clip = Int4GroupLinear.from_float(w, clip_search=True, **kw)
     err_rtn = ((rtn.dequantize() - w) ** 2).view(64, 8, 32).sum(-1)  # (N, groups)
