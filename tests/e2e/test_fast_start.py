@@ -1,4 +1,4 @@
-"""Issue 39, end to end: a K-quant GGUF's second start maps the blocks its first start rewrote
+"""Issue 39, end to end: a K-quant GGUF's second start maps the blocks its first start wrote
 and begins from its step-cost probe, then answers as the first start did. On the real
 Qwen2.5-Coder-0.5B Q4_K_M (skipped where the file is not in the cache's gguf/ folder:
 `python benchmarks/fetch_qwen_gguf.py --only 0.5b`), each start in a fresh cache dir of its
@@ -8,6 +8,7 @@ tokenizer and config (made once per host, as a server's cache keeps them: 11 s o
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ def start_and_complete(cache: Path) -> tuple[float, str, str]:
             return ready, out["choices"][0]["text"], wk.output()
 
 
-def test_a_second_start_maps_the_rewritten_blocks_and_the_probe_and_answers_the_same(
+def test_a_second_start_maps_the_blocks_the_first_wrote_and_its_probe_and_answers_the_same(
         new_cache_dir: Callable[[], Path], cache_dir: Path) -> None:
     if not QWEN_GGUF.is_file():
         pytest.skip(f"{QWEN_GGUF} is not there")
@@ -46,9 +47,17 @@ def test_a_second_start_maps_the_rewritten_blocks_and_the_probe_and_answers_the_
     shutil.copytree(meta, cache / meta.name, ignore=shutil.ignore_patterns("blocks-v*"))
     cold, first, log1 = start_and_complete(cache)
     warm, second, log2 = start_and_complete(cache)
-    assert "0 tensors from the block cache" in log1 and "step costs measured" in log1
-    assert "written to it" in log1 and " 0 written to it" not in log1
-    assert " 0 written to it" in log2 and "0 tensors from the block cache" not in log2
+    # What the first start wrote to the block cache (tensors rewritten to another format, and
+    # layers packed for the kernel; the 0.5B's Q4_K/Q6_K are served as stored, so its rewrites
+    # may be none), the second maps whole, writing nothing.
+    found = re.search(r"(\d+) tensors from the block cache, (\d+) written to it; (\d+) packed "
+                      r"layers mapped, (\d+) written", log1)
+    assert found is not None, log1
+    hits, writes, packed_hits, packed_writes = (int(v) for v in found.groups())
+    assert hits == 0 and packed_hits == 0 and packed_writes > 0
+    assert "step costs measured" in log1
+    assert f"{writes} tensors from the block cache, 0 written to it; {packed_writes} packed " \
+        "layers mapped, 0 written" in log2
     assert "step costs from this host's earlier probe" in log2
     assert "step costs measured" not in log2
     assert second == first and first
