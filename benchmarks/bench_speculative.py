@@ -7,6 +7,7 @@ Runs the engine in process (no HTTP), greedy, one workload at a time, alternatin
 inside each (workload, batch) so a shared machine's drift hits them alike. Workloads:
   rewrite  input-grounded: rewrite a given ~300-token text, keeping every fact
   code     input-grounded: return a given function with a variable renamed
+  write    code writing: a function from a one-line description, nothing to copy from
   chat     plain chat: an open question, nothing to copy from
 Decode speed = output tokens after each request's first / time from the step where every
 request had its first token to the end (prefill excluded); the median over --rounds. Engine
@@ -76,6 +77,9 @@ WORKLOADS = {
                "the order of the sentences.\n\n" + TEXT,
     "code": "Rename the variable `totals` to `score_by_name` in this Python function and "
             "return the whole function, unchanged otherwise.\n\n```python\n" + CODE + "```",
+    "write": "Write a Python function `merge_intervals(intervals)` that takes a list of "
+             "(start, end) pairs and returns the list with overlapping intervals merged, sorted "
+             "by start. Include a docstring and type hints.",
     "chat": "What are some good habits for staying productive when working from home? "
             "Give a detailed answer.",
 }
