@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick, routes_dtype
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes, routes_dtype
+from engine_worker.model.routed_linear import RoutedLinear
 
 _INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -39,7 +39,7 @@ def default_routes(device: torch.device, fits: bool) -> tuple[Route, ...]:
     return (Route(ALL, "dequantize"),)
 
 
-class Int4GroupLinear(nn.Module):
+class Int4GroupLinear(RoutedLinear):
     """Asymmetric INT4 per group of `group_size` inputs: w ~= (q - 8) * scale + zero, q in
     0..15, with scale = (max - min) / 15 and zero = min + 8 * scale per (row, group): the
     layout torch's int4 kernels read. Two weights a byte plus a scale and a zero per group.
@@ -64,8 +64,7 @@ class Int4GroupLinear(nn.Module):
         if any(r.path == "dense" for r in routes) != (dense is not None):
             raise ValueError("a dense route needs its copy, and a copy its route")
         self.register_buffer("dense", dense)  # (N, K)
-        self.routes = routes
-        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
+        self.set_routes(routes)
 
     @classmethod
     def from_float(
@@ -137,16 +136,8 @@ class Int4GroupLinear(nn.Module):
         xc = x.to(self.scales_zeros.dtype)
         return _INT4_MM(xc, self.qweight, self.group_size, self.scales_zeros).to(x.dtype)
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.dense is not None
-        return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-
     def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = getattr(self, pick(self.table, x.shape[0]))(x)
-        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick, routes_dtype
+from engine_worker.model.matmul_plan import ALL, Route, routes_dtype
+from engine_worker.model.routed_linear import RoutedLinear
 
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
 
@@ -34,7 +35,7 @@ def per_row(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return q.contiguous(), scales
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(RoutedLinear):
     """Symmetric per-output-channel INT8: w[n, :] ~= qweight[n, :] * scales[n],
     scales[n] = max|w[n, :]| / 127. 1 byte a weight plus one number per row.
 
@@ -51,8 +52,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)  # (N, K) int8
         self.register_buffer("scales", scales)  # (N,)
         self.register_buffer("bias", bias)  # (N,) model dtype or None
-        self.routes = routes
-        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
+        self.register_buffer("dense", None)
+        self.set_routes(routes)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -70,13 +71,6 @@ class Int8Linear(nn.Module):
     def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = getattr(self, pick(self.table, x.shape[0]))(x)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, "
-                f"routes={describe_routes(self.routes)}")
 
 
 class Int8Embedding(nn.Module):

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from engine_worker import int_dot
-from engine_worker.model.matmul_plan import ALL, pick
+from engine_worker.model.matmul_plan import ALL, Route
+from engine_worker.model.routed_linear import RoutedLinear
 
 
-class IntDotLinear(nn.Module):
+class IntDotLinear(RoutedLinear):
     def __init__(self, packed: int_dot.Packed, fallback: nn.Module | None, max_rows: int,
                  bias: torch.Tensor | None = None) -> None:
         """`max_rows`: the plan's bound for the kernel (model/matmul_plan.py); more rows take
@@ -32,9 +33,10 @@ class IntDotLinear(nn.Module):
         self.fallback = fallback
         self.max_rows = max_rows if fallback is not None else ALL
         self.in_features, self.out_features = packed.k, packed.n
-        self.bias: torch.Tensor | None
         self.register_buffer("bias", bias)
-        self.table = ((self.max_rows, "_int_dot"), (ALL, "_fallback"))
+        self.register_buffer("dense", None)
+        self.set_routes((Route(self.max_rows, "int_dot"), Route(ALL, "fallback"))
+                        if fallback is not None else (Route(ALL, "int_dot"),))
 
     def _int_dot(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -53,7 +55,7 @@ class IntDotLinear(nn.Module):
         elif x.dtype != torch.float32 and self.fallback is not None:
             y = self.fallback(x)  # the kernel takes float32 (a float64 reference, bfloat16)
         else:
-            y = getattr(self, pick(self.table, rows))(x)
+            y = getattr(self, self.path(rows))(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

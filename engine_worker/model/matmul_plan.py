@@ -4,7 +4,8 @@
     (engine_worker/path_choice.py) + which of our kernels load here
       -> MatmulPlan (frozen), made once by the builder (engine_worker/model/builder.py)
       -> every linear layer is built from `plan.routes(kind)`: a table "up to N rows -> path",
-         which its forward looks up (no chain of branches)
+         which its forward looks up (no chain of branches): one module, RoutedLinear
+         (model/routed_linear.py), each format's layer its weights and a method per path
       -> the RMSNorms, the C++ decode stack and the thread choice read `decode_stack`, the
          compiled decode its bucket edges from `switch_rows`; nothing changes a module after
       -> logged once at start as one line `matmul plan: ...`, sent in the worker's hello and

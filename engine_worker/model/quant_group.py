@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.kernel_build import KernelUnavailable, load_kernel
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes, pick
+from engine_worker.model.matmul_plan import ALL, Route, describe_routes
+from engine_worker.model.routed_linear import RoutedLinear
 
 log = logging.getLogger("kestrel.quant")
 
@@ -68,7 +69,7 @@ def default_routes(device: torch.device) -> tuple[Route, ...]:
     return (Route(ALL, "dequantize"),)
 
 
-class Int8GroupLinear(nn.Module):
+class Int8GroupLinear(RoutedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
                  routes: tuple[Route, ...] | None = None) -> None:
         """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
@@ -101,8 +102,8 @@ class Int8GroupLinear(nn.Module):
                                  None if kernel is None else self.scales.to(kernel))
         copy = dtypes.get("dense")
         self.register_buffer("dense", None if copy is None else self.dequantize(copy))
-        self.routes = routes
-        self.table = tuple((r.upto, f"_{r.path}") for r in routes)
+        self.register_buffer("bias", None)
+        self.set_routes(routes)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, *,
@@ -154,16 +155,9 @@ class Int8GroupLinear(nn.Module):
             acc += _INT8_MM(xg[g], self.codes[g], self.scales_kernel[g])  # type: ignore[misc]
         return acc.to(x.dtype)
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.dense is not None
-        return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-
     def _dequantize(self, x: torch.Tensor) -> torch.Tensor:
         cd = self.compute_dtype or x.dtype  # one transient matrix
         return F.linear(x.to(cd), self.dequantize(cd)).to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, pick(self.table, x.shape[0]))(x)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={GROUP}, "
