@@ -85,20 +85,6 @@ class Parts(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-class Biased(nn.Module):
-    """A bias-free layer plus the file's float32 bias."""
-
-    def __init__(self, layer: nn.Module, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.layer = layer
-        self.bias = nn.Parameter(bias, requires_grad=False)
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layer(x)
-        return y + self.bias.to(y.dtype)
-
-
 class BlockEmbedding(nn.Module):
     """Token embedding over a table's blocks (any kernel format): decodes the rows looked up.
     No `weight` attribute: there is no float table."""
@@ -135,18 +121,20 @@ def to_module(b: Blocks, plan: MatmulPlan, device: torch.device, head: bool = Fa
     pack = pack or (lambda b: int_dot.pack(b.fmt, b.raw, b.n, b.k))
     if routes[0].path == "int_dot" and len(routes) == 1:
         return IntDotLinear(pack(b), None, 0, bias)
-    front = routes[0] if routes[0].path == "int_dot" else None
-    layer = _packed_module(b, device, routes[1:] if front else routes)
-    if front is not None:
-        return IntDotLinear(pack(b), layer, front.upto, bias)
-    return layer if bias is None else Biased(layer, bias.to(device))
+    if routes[0].path == "int_dot":  # the kernel in front adds the bias, whoever computes
+        return IntDotLinear(pack(b), _packed_module(b, device, routes[1:]), routes[0].upto,
+                            bias)
+    return _packed_module(b, device, routes, None if bias is None else bias.to(device))
 
 
-def _packed_module(b: Blocks, device: torch.device, routes: tuple[Route, ...]) -> nn.Module:
+def _packed_module(b: Blocks, device: torch.device, routes: tuple[Route, ...],
+                   bias: torch.Tensor | None = None) -> nn.Module:
     b = b.packable()
     if b.kind == "float":  # (formats torch has no packed kernel for, where ours is not built)
-        lin = Linear(b.k, b.n, bias=False, device="meta")
+        lin = Linear(b.k, b.n, bias=bias is not None, device="meta")
         lin.weight = nn.Parameter(torch.from_numpy(b.floats()).to(device), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(lin.weight.dtype), requires_grad=False)
         return lin
     q, scale, zero = b.codes_scales()
     codes = torch.from_numpy(np.ascontiguousarray(q)).to(device)
@@ -157,9 +145,9 @@ def _packed_module(b: Blocks, device: torch.device, routes: tuple[Route, ...]) -
         z = torch.from_numpy(zero).to(device, cd)  # type: ignore[arg-type]
         copy = any(r.path == "dense" for r in routes)
         return Int4GroupLinear.from_codes(
-            codes.to(torch.int32), s, z, 32, routes=routes,
+            codes.to(torch.int32), s, z, 32, bias, routes=routes,
             weight=torch.from_numpy(b.floats()).to(device) if copy else None)
-    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), routes)
+    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), routes, bias)
 
 
 class ModelRefused(ValueError):

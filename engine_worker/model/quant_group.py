@@ -71,8 +71,10 @@ def default_routes(device: torch.device) -> tuple[Route, ...]:
 
 class Int8GroupLinear(RoutedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
-                 routes: tuple[Route, ...] | None = None) -> None:
-        """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32].
+                 routes: tuple[Route, ...] | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        """codes (N, K) int8, scales (N, K/32) float; w[n, k] = codes[n, k] * scales[n, k//32];
+        `bias` (N,), if any, added after the matmul in the output's dtype.
         `routes` (model/matmul_plan.py; default_routes without one): the path each row count
         takes. A "q8" route reads the codes row-major (our C++ kernel, loaded by the caller with
         `load_group_gemv`); otherwise they are kept group-major for torch's kernel. A "dense"
@@ -102,7 +104,7 @@ class Int8GroupLinear(RoutedLinear):
                                  None if kernel is None else self.scales.to(kernel))
         copy = dtypes.get("dense")
         self.register_buffer("dense", None if copy is None else self.dequantize(copy))
-        self.register_buffer("bias", None)
+        self.register_buffer("bias", bias)
         self.set_routes(routes)
 
     @classmethod
