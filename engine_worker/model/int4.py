@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes, routes_dtype
+from engine_worker.model.matmul_plan import Route, default_routes, describe_routes, routes_dtype
 from engine_worker.model.routed_linear import RoutedLinear
 
 _INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
@@ -29,14 +29,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: (N, K/2) uint8 -> (N, K) uint8."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
-
-
-def default_routes(device: torch.device, fits: bool) -> tuple[Route, ...]:
-    """Without a plan: torch's packed kernel with bfloat16 activations on CPU where it tiles
-    the shape (`fits`), else dequantize."""
-    if _INT4_MM is not None and device.type == "cpu" and fits:
-        return (Route(ALL, "int4", "bfloat16"),)
-    return (Route(ALL, "dequantize"),)
 
 
 class Int4GroupLinear(RoutedLinear):
@@ -78,7 +70,8 @@ class Int4GroupLinear(RoutedLinear):
         if k % group_size or k % 2:
             raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
         if routes is None:
-            routes = default_routes(weight.device, n % 16 == 0 and group_size in TILED_GROUPS)
+            routes = default_routes("int4", weight.device.type,
+                                    fits=n % 16 == 0 and group_size in TILED_GROUPS)
         compute_dtype = routes_dtype(routes) or weight.dtype  # the scales' and zeros'
         w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
         q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)

@@ -12,18 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.model.matmul_plan import ALL, Route, routes_dtype
+from engine_worker.model.matmul_plan import Route, default_routes, routes_dtype
 from engine_worker.model.routed_linear import RoutedLinear
 
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)
-
-
-def default_routes(device: torch.device) -> tuple[Route, ...]:
-    """Without a plan: torch's kernel with bfloat16 activations on CPU (the fast one measured),
-    else dequantize."""
-    if _INT8_MM is not None and device.type == "cpu":
-        return (Route(ALL, "int8", "bfloat16"),)
-    return (Route(ALL, "dequantize"),)
 
 
 def per_row(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +50,7 @@ class Int8Linear(RoutedLinear):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    routes: tuple[Route, ...] | None = None) -> Int8Linear:
-        routes = default_routes(weight.device) if routes is None else routes
+        routes = default_routes("int8", weight.device.type) if routes is None else routes
         q, scales = per_row(weight, routes_dtype(routes) or weight.dtype)
         return cls(q, scales, None if bias is None else bias.detach().clone(), routes)
 

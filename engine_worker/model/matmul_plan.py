@@ -65,7 +65,7 @@ def pick(routes: tuple[tuple[int, Any], ...], rows: int) -> Any:
     return routes[-1][1]
 
 
-def routes_dtype(routes: tuple[Route, ...]) -> Any:
+def routes_dtype(routes: tuple[Route, ...]) -> torch.dtype | None:
     """The torch dtype a quantized layer keeps its scales in: that of its first route naming
     one other than a float copy's (None: the weights' own)."""
     name = next((r.dtype for r in routes if r.dtype and r.path != "dense"), "")
@@ -163,3 +163,10 @@ class MatmulPlan:
                          f"{describe_routes(self.routes(self.head_kind, True))}")
         stack = "; decode rows through the C++ decode stack" if self.decode_stack else ""
         return f"matmul plan: {'; '.join(kinds)}{stack} ({self.origin})"
+
+
+def default_routes(kind: str, device: str, *, fits: bool = True) -> tuple[Route, ...]:
+    """A layer's routes without a plan of its own (a test, a layer made by hand): what the
+    default plan gives its kind on `device` (on CPU torch's packed kernel with bfloat16
+    activations, else dequantize)."""
+    return MatmulPlan(device=device).routes(kind, fits=fits)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.kernel_build import KernelUnavailable, load_kernel
-from engine_worker.model.matmul_plan import ALL, Route, describe_routes
+from engine_worker.model.matmul_plan import Route, default_routes, describe_routes
 from engine_worker.model.routed_linear import RoutedLinear
 
 log = logging.getLogger("kestrel.quant")
@@ -62,13 +62,6 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], codes.shape[0])  # (M, N)
 
 
-def default_routes(device: torch.device) -> tuple[Route, ...]:
-    """Without a plan: torch's per-group kernel in bfloat16 on CPU, else dequantize."""
-    if _INT8_MM is not None and device.type == "cpu":
-        return (Route(ALL, "int8_groups", "bfloat16"),)
-    return (Route(ALL, "dequantize"),)
-
-
 class Int8GroupLinear(RoutedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
                  routes: tuple[Route, ...] | None = None,
@@ -85,7 +78,7 @@ class Int8GroupLinear(RoutedLinear):
         if k % GROUP or scales.shape != (n, k // GROUP):
             raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
                              f"do not form groups of {GROUP}")
-        routes = default_routes(codes.device) if routes is None else routes
+        routes = default_routes("int8_groups", codes.device.type) if routes is None else routes
         dtypes = {r.path: getattr(torch, r.dtype) if r.dtype else None for r in routes}
         self.out_features, self.in_features, self.groups = n, k, k // GROUP
         self.native = "q8" in dtypes
