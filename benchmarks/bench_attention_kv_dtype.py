@@ -52,8 +52,8 @@ def main() -> int:
         table, lens = torch.arange(nblk).view(1, nblk), torch.tensor([ctx])
         q = torch.randn(1, h, d)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            ks = [torch.randn(nblk * bs, hkv, d).to(dtype) for _ in range(args.layers)]
-            vs = [torch.randn(nblk * bs, hkv, d).to(dtype) for _ in range(args.layers)]
+            ks = [torch.randn(hkv, nblk * bs, d).to(dtype) for _ in range(args.layers)]
+            vs = [torch.randn(hkv, nblk * bs, d).to(dtype) for _ in range(args.layers)]
             best = float("inf")
             for _ in range(20):
                 t = time.perf_counter()

@@ -71,7 +71,7 @@ def prefill(runner: ModelRunner, batch: int, ctx: int, room: int) -> list[StepIt
 
 def bench_layer(runner: ModelRunner, items: list[StepItem], rounds: int) -> None:
     attn = runner.model.model.layers[0].self_attn
-    k_cache, v_cache = runner.kv_cache.k[0], runner.kv_cache.v[0]  # (slots, Hkv, D)
+    k_cache, v_cache = runner.kv_cache.k[0], runner.kv_cache.v[0]  # (Hkv, slots, D)
     bs, b = runner.block_size, len(items)
     lens = torch.tensor([len(it.token_ids) for it in items])  # (B,)
     t_max = int(lens.max())
@@ -94,7 +94,7 @@ def bench_layer(runner: ModelRunner, items: list[StepItem], rounds: int) -> None
         run = torch.arange(first, first + nblk).view(1, nblk)
 
         def view() -> torch.Tensor:
-            kd, vd = attn._context(k_cache, v_cache, first * bs, bs, 1, t_max)
+            kd, vd = attn._context(k_cache, v_cache, first, bs, 1, t_max)
             return attn._decode_grouped(q, kd, vd, None)
 
         def kernel_run() -> torch.Tensor:

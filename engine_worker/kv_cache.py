@@ -1,18 +1,20 @@
 """The paged KV cache: pre-allocated K and V tensors per layer, written in place.
 
-Layout per layer: `k[layer]` and `v[layer]` are (num_blocks * block_size, Hkv, D). A token's slot is
-`block * block_size + offset`; the model writes a step's new K/V with `index_copy_` at its slots and
-reads a sequence back by viewing the tensor as (num_blocks, block_size, Hkv, D) and gathering the
-blocks in its block table, or (CPU decodes) reads the slots in place through the table
-(engine_worker/paged_attention.py). Which blocks belong to which sequence is the block
-manager's business (no torch there); this module only owns the memory and says how much a
-budget buys.
+Layout per layer: `k[layer]` and `v[layer]` are (Hkv, num_blocks * block_size, D): each KV head's
+rows lie in their own run, in slot order, so decode attention reads a head's context as one
+stream where its blocks are consecutive (with a slot's heads side by side it read every other
+256 bytes, at a third of the read bandwidth; csrc/paged_attention.cpp). A token's slot is
+`block * block_size + offset`; the model writes a step's new K/V at its slots (`write`) and reads
+a sequence back by gathering the blocks in its block table (`gather`), or (CPU decodes) reads
+them in place through the table (engine_worker/paged_attention.py). Which blocks belong to
+which sequence is the block manager's business (no torch there); this module only owns the
+memory and says how much a budget buys.
 
 The cache's dtype is its own (bfloat16 by default on a CPU, whatever the activations): a decode
 step reads every token of its context, so the cache's bytes per token are read at every step.
 The 8-bit caches (--kv-cache-dtype int8 or fp8) carry their scales in the row: a (slot, head) row
 is D one-byte codes, then one float16 scale per group of 32 along D (one group when D is not a
-multiple of 32) in its last bytes, as llama.cpp's q8_0 blocks are: (slots, Hkv, D + 2 * groups)
+multiple of 32) in its last bytes, as llama.cpp's q8_0 blocks are: (Hkv, slots, D + 2 * groups)
 of torch.int8 or torch.float8_e4m3fn. A group's scale is its largest magnitude over 127 (int8,
 codes rounded to nearest) or over 448 (fp8 e4m3, the format's largest finite value); `encode`
 and `decode` here are the Python layers' writers and readers, and the C++ decode stack and
@@ -24,6 +26,7 @@ host what is used, not what is reserved (torch.zeros would write every page at s
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -72,18 +75,18 @@ def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows (N, Hkv, D) as the cache holds them: cast, or codes and scales (N, Hkv, W)."""
+    """Rows (..., D) as the cache holds them: cast, or codes and scales (..., W)."""
     if not is_scaled(dtype):
         return x.to(dtype)
-    n, hkv, d = x.shape
+    *lead, d = x.shape
     ng = scale_groups(d)
     top = TOP[dtype]
-    xf = x.float().reshape(n, hkv, ng, d // ng)
-    scale = (xf.abs().amax(-1, keepdim=True) / top).to(torch.float16)  # (N, Hkv, ng, 1)
+    xf = x.float().unflatten(-1, (ng, d // ng))
+    scale = (xf.abs().amax(-1, keepdim=True) / top).to(torch.float16)  # (..., ng, 1)
     q = xf / torch.where(scale == 0, 1.0, scale.float())  # an all-zero group: codes 0
     q = q.round().clamp(-top, top) if dtype == torch.int8 else q.clamp(-top, top)
-    codes = q.to(dtype).view(torch.int8).reshape(n, hkv, d)
-    scales = scale.reshape(n, hkv, ng).view(torch.int8)  # (N, Hkv, 2 * ng) bytes
+    codes = q.to(dtype).view(torch.int8).flatten(-2)  # (..., D)
+    scales = scale.flatten(-2).view(torch.int8)  # (..., 2 * ng) bytes
     return torch.cat([codes, scales], dim=-1).view(dtype)
 
 
@@ -94,8 +97,27 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 def write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Rows x (N, Hkv, D) into the cache (slots, Hkv, W) at `slots`, as the cache holds them."""
-    as_bytes(cache).index_copy_(0, slots, as_bytes(encode(x, cache.dtype)))
+    """Rows x (N, Hkv, D) into the cache (Hkv, slots, W) at `slots`, as the cache holds them."""
+    as_bytes(cache).index_copy_(1, slots, as_bytes(encode(x, cache.dtype)).transpose(0, 1))
+
+
+def head_major(rows: torch.Tensor) -> torch.Tensor:
+    """Slot-ordered rows (slots, Hkv, W) in the cache's layout (Hkv, slots, W)."""
+    return rows.transpose(0, 1).contiguous()
+
+
+def gather(cache: torch.Tensor, blocks: torch.Tensor | int, b: int, t: int,
+           block_size: int) -> torch.Tensor:
+    """The first t positions of b sequences, (B, Hkv, T, W) in the cache's dtype: `blocks` their
+    block tables flattened (B * nblk ids), or one sequence's first block id when its blocks are
+    consecutive (then a view: no copy)."""
+    hkv, slots, w = cache.shape
+    if isinstance(blocks, int):
+        return cache[:, blocks * block_size: blocks * block_size + t].unsqueeze(0)
+    raw = as_bytes(cache)  # fp8 has no CPU index_select: its bytes are gathered as int8's
+    paged = raw.view(hkv, slots // block_size, block_size, w)
+    seq = paged.index_select(1, blocks).view(hkv, b, -1, w)[:, :, :t]  # (Hkv, B, T, W)
+    return seq.transpose(0, 1).view(cache.dtype)
 
 
 def decode(rows: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -120,7 +142,7 @@ def num_blocks_for_budget(
 
 
 class KVCache:
-    """Every layer's K and V, allocated once: `k[l]`, `v[l]` are (blocks * block_size, Hkv, D)."""
+    """Every layer's K and V, allocated once: `k[l]`, `v[l]` are (Hkv, blocks * block_size, W)."""
 
     def __init__(
         self,
@@ -139,17 +161,17 @@ class KVCache:
         self.capacity_tokens = num_blocks * block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (self.capacity_tokens, cfg.num_kv_heads, row_width(cfg.head_dim, dtype))
+        shape = (cfg.num_kv_heads, self.capacity_tokens, row_width(cfg.head_dim, dtype))
         # zeros, not empty: padded reads of unused slots are masked out, but must never be NaN,
         # since 0 * NaN inside a matmul would still poison the result.
         self._maps: list[mmap.mmap] = []  # the CPU tensors' memory, kept alive with them
         self.k = [self._zeros(shape, dtype) for _ in range(cfg.num_layers)]
         self.v = [self._zeros(shape, dtype) for _ in range(cfg.num_layers)]
 
-    def _zeros(self, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
-        size = shape[0] * shape[1] * shape[2] * _element_size(dtype)
+        size = math.prod(shape) * _element_size(dtype)
         buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero pages
         self._maps.append(buf)
         return torch.frombuffer(buf, dtype=dtype).view(shape)

@@ -290,7 +290,7 @@ class ModelRunner:
         decode_where: torch.Tensor | int | None = blocks_t if b else None
         gather = b and not self.paged_decode  # the kernel reads only the table and lengths
         if gather and b == 1:  # a lone decode in consecutive blocks reads a view, no gather
-            run = _run_start(decodes[0].block_table[:nblk], bs)
+            run = _run_start(decodes[0].block_table[:nblk])
             decode_where = blocks_t if run is None else run
         decode_mask = None
         if gather and min(ctx) != t_max:  # ragged contexts: mask each row past its length
@@ -305,7 +305,7 @@ class ModelRunner:
             if start > 0:  # earlier tokens are in the cache: gather them, mask causally
                 s = start + length
                 used = it.block_table[: -(-s // bs)]
-                run = _run_start(used, bs)
+                run = _run_start(used)
                 span.blocks = torch.tensor(used, device=self.device) if run is None else run
                 key = torch.arange(s, device=self.device)
                 query = torch.arange(start, s, device=self.device)
@@ -342,9 +342,9 @@ def _verify_as_decodes(it: StepItem) -> bool:
     return it.all_logits and it.start_pos > 0 and len(it.token_ids) <= VERIFY_AS_DECODE_ROWS
 
 
-def _run_start(blocks: list[int], block_size: int) -> int | None:
-    """First slot of `blocks` if they are consecutive ids (readable as one view), else None."""
+def _run_start(blocks: list[int]) -> int | None:
+    """The first of `blocks` if they are consecutive ids (sliced as one view), else None."""
     first = blocks[0]
     if blocks[-1] - first == len(blocks) - 1 and blocks == list(range(first, first + len(blocks))):
-        return first * block_size
+        return first
     return None

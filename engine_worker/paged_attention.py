@@ -91,8 +91,8 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
 
 def paged_decode_attention(
     q: torch.Tensor,  # (B, H, D), unit last stride
-    k_cache: torch.Tensor,  # (slots, Hkv, W) contiguous: W = D, or an 8-bit cache's row
-    v_cache: torch.Tensor,  # (slots, Hkv, W)
+    k_cache: torch.Tensor,  # (Hkv, slots, W) contiguous: W = D, or an 8-bit cache's row
+    v_cache: torch.Tensor,  # (Hkv, slots, W)
     block_table: torch.Tensor,  # (B, nblk) int64
     context_lens: torch.Tensor,  # (B,) int64
     block_size: int,

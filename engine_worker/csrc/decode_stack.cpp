@@ -75,19 +75,15 @@ void write_scaled(const float* x, uint8_t* dst, int64_t d, float top) {
   }
 }
 
-// One slot's heads (n float32 values, heads rows of d) into a cache row of its dtype, rounded
-// as torch's own casts do, so the Python layers' index_copy_ of kv_cache.encode writes the same.
-void write_row(const float* src, const at::Tensor& cache, int64_t at_elem, int64_t n,
-               int64_t d) {
+// One head's d float32 values into its cache row (element at_elem) in the cache's dtype,
+// rounded as torch's own casts do, so the Python layers' kv_cache.write writes the same.
+void write_row(const float* src, const at::Tensor& cache, int64_t at_elem, int64_t n) {
   if (scaled(cache.scalar_type())) {  // at_elem counts bytes: one a code
     uint8_t* row = static_cast<uint8_t*>(cache.data_ptr()) + at_elem;
-    const int64_t w = row_width(cache.scalar_type(), d);
-    for (int64_t hh = 0; hh < n / d; ++hh) {
-      if (cache.scalar_type() == at::kChar)
-        write_scaled<int8_t>(src + hh * d, row + hh * w, d, 127.f);
-      else
-        write_scaled<c10::Float8_e4m3fn>(src + hh * d, row + hh * w, d, 448.f);
-    }
+    if (cache.scalar_type() == at::kChar)
+      write_scaled<int8_t>(src, row, n, 127.f);
+    else
+      write_scaled<c10::Float8_e4m3fn>(src, row, n, 448.f);
     return;
   }
   switch (cache.scalar_type()) {
@@ -268,7 +264,8 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // x (B, C) float32, the embedded decode rows; cos, sin (B, D) at their positions; caches per
-  // layer (slots, Hkv, W): float32, bfloat16 or float16 (W = D), or 8-bit codes and scales;
+  // layer (Hkv, slots, W): float32, bfloat16 or float16 (W = D), or 8-bit codes and scales
+  // (kv_cache.py: each head's rows in their own run, in slot order);
   // slots (B,), table (B, nblk), lens (B,)
   // int64.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
@@ -294,21 +291,24 @@ struct DecodeStack : torch::CustomClassHolder {
       TORCH_CHECK((ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf ||
                    scaled(ct)) &&
                       vc.scalar_type() == ct && kc.is_contiguous() && vc.is_contiguous() &&
-                      kc.dim() == 3 && kc.size(1) == hkv && kc.size(2) == row_width(ct, d) &&
+                      kc.dim() == 3 && kc.size(0) == hkv && kc.size(2) == row_width(ct, d) &&
                       vc.sizes() == kc.sizes(),
                   "decode_stack: caches must be contiguous float32, bfloat16, float16, int8 "
-                  "or float8_e4m3fn (slots, Hkv, W)");
+                  "or float8_e4m3fn (Hkv, slots, W)");
       at::Tensor qkv = L.qkv(rms_norm_rows(x, L.norm1, eps)).contiguous();  // (B, all*D)
       at::Tensor qk = at::empty({b, h + hkv, d}, x.options());
       const float* src = qkv.data_ptr<float>();
       rope(src, b, all, h + hkv, d, cs.data_ptr<float>(), sn.data_ptr<float>(),
            qk.data_ptr<float>());
-      const int64_t slots_total = kc.size(0), row = hkv * d, stored = hkv * kc.size(2);
+      const int64_t slots_total = kc.size(1), w = kc.size(2);
       for (int64_t r = 0; r < b; ++r) {
         TORCH_CHECK(sp[r] >= 0 && sp[r] < slots_total, "decode_stack: slot ", sp[r],
                     " out of range");
-        write_row(qk.data_ptr<float>() + (r * (h + hkv) + h) * d, kc, sp[r] * stored, row, d);
-        write_row(src + (r * all + h + hkv) * d, vc, sp[r] * stored, row, d);
+        for (int64_t hh = 0; hh < hkv; ++hh) {
+          const int64_t elem = (hh * slots_total + sp[r]) * w;
+          write_row(qk.data_ptr<float>() + (r * (h + hkv) + h + hh) * d, kc, elem, d);
+          write_row(src + (r * all + h + hkv + hh) * d, vc, elem, d);
+        }
       }
       at::Tensor o = attn.call(qk.narrow(1, 0, h), kc, vc, table, lens, block_size);
       x = x + L.o(o.reshape({b, h * d}));

@@ -42,7 +42,7 @@ class PrefillSpan:
     start_pos: int
     # Blocks holding positions [0, start_pos+length) and the (L, S) causal mask over them; both
     # None when start_pos == 0: the chunk's own k,v are then the whole context (plain causal).
-    blocks: torch.Tensor | int | None = None  # (nblk,) int64 block ids, or int: first slot of a run
+    blocks: torch.Tensor | int | None = None  # (nblk,) int64 block ids, or int: a run's first
     mask: torch.Tensor | None = None  # (L, S) bool, True = may attend
 
 
@@ -54,7 +54,7 @@ class AttnMeta:
     block_size: int = 0
     num_decode: int = 0  # the first num_decode rows are one-token decodes
     # (B * nblk,) int64 block ids, each table padded to nblk; or int: B == 1 and its blocks are
-    # consecutive, starting at this slot
+    # consecutive, starting at this block
     decode_blocks: torch.Tensor | int | None = None
     decode_ctx: int = 0  # Tmax: the longest decode context in the batch
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, Tmax) bool; None if all lengths == Tmax
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # (N, 1, D)
         sin: torch.Tensor,  # (N, 1, D)
         meta: AttnMeta,
-        k_cache: torch.Tensor | None,  # (slots, Hkv, D)
+        k_cache: torch.Tensor | None,  # (Hkv, slots, W): kv_cache.py
         v_cache: torch.Tensor | None,
     ) -> torch.Tensor:
         n, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
@@ -173,20 +173,12 @@ class Attention(nn.Module):
         t: int,
         dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of b sequences at positions [0, t): (B, Hkv, T, D) each, from their blocks,
-        in `dtype` (the queries'; None: the cache's)."""
+        """K and V of b sequences at positions [0, t): (B, Hkv, T, D) each, from their blocks
+        (kv_cache.gather: block tables, or a run's first block id), in `dtype` (the queries';
+        None: the cache's)."""
         if k_cache is None or v_cache is None or blocks is None:
             raise ValueError("attention over earlier tokens needs a KV cache and block tables")
-        kv = []
-        w = k_cache.shape[-1]  # D, or an 8-bit cache's codes and scales (kv_cache.py)
-        for cache in (k_cache, v_cache):
-            if isinstance(blocks, int):  # one sequence in consecutive slots: a view, no copy
-                seq = cache[blocks : blocks + t].unsqueeze(0)  # (1, T, Hkv, W)
-            else:  # fp8 has no CPU index_select: its bytes are gathered as int8's
-                paged = kv_cache.as_bytes(cache).view(-1, bs, self.hkv, w)  # (blocks,bs,Hkv,W)
-                seq = paged.index_select(0, blocks).view(b, -1, self.hkv, w)[:, :t]
-                seq = seq.view(cache.dtype)
-            kv.append(seq.transpose(1, 2))  # (B, Hkv, T, W)
+        kv = [kv_cache.gather(cache, blocks, b, t, bs) for cache in (k_cache, v_cache)]
         # SDPA takes one dtype: a 16-bit cache under float32 activations is widened (a copy of
         # the context, as the gather already is; the in-place kernel reads it as it is), an
         # 8-bit one's codes multiplied by their scales

@@ -10,10 +10,13 @@ from engine_worker.kv_cache import (
     KVCache,
     decode,
     encode,
+    gather,
+    head_major,
     kv_cache_bytes,
     kv_torch_dtype,
     num_blocks_for_budget,
     row_width,
+    write,
 )
 from engine_worker.model.config import ModelConfig
 
@@ -45,7 +48,7 @@ def test_calculator_equals_allocated_bytes(cfg: ModelConfig, dtype: torch.dtype)
     allocated = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
     assert kv_cache_bytes(cfg, cache.capacity_tokens, dtype) == allocated == cache.nbytes
     assert len(cache.k) == len(cache.v) == cfg.num_layers
-    assert cache.k[0].shape == (7 * 16, cfg.num_kv_heads, row_width(cfg.head_dim, dtype))
+    assert cache.k[0].shape == (cfg.num_kv_heads, 7 * 16, row_width(cfg.head_dim, dtype))
     assert all(t.dtype == dtype for t in cache.k + cache.v)
 
 
@@ -106,10 +109,32 @@ def test_budget_buys_whole_blocks_only() -> None:
 
 def test_slots_are_block_times_size_plus_offset() -> None:
     cache = KVCache(LLAMA_LIKE, num_blocks=4, block_size=8, dtype=torch.float32, device="cpu")
-    value = torch.full((1, LLAMA_LIKE.num_kv_heads, LLAMA_LIKE.head_dim), 3.0)
-    cache.k[0].index_copy_(0, torch.tensor([2 * 8 + 5]), value)
-    paged = cache.k[0].view(4, 8, LLAMA_LIKE.num_kv_heads, LLAMA_LIKE.head_dim)
-    assert torch.equal(paged[2, 5], value[0])
-    assert paged.sum().item() == value.sum().item()  # written in place, nowhere else
+    hkv, d = LLAMA_LIKE.num_kv_heads, LLAMA_LIKE.head_dim
+    value = torch.arange(hkv * d, dtype=torch.float32).view(1, hkv, d) + 1
+    write(cache.k[0], torch.tensor([2 * 8 + 5]), value)
+    # slot 21 of each head: a head's rows lie in their own run, in slot order
+    assert torch.equal(cache.k[0][:, 21], value[0])
+    assert cache.k[0].sum().item() == value.sum().item()  # written in place, nowhere else
     with pytest.raises(ValueError):
         KVCache(LLAMA_LIKE, num_blocks=0, block_size=8, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_gather_reads_back_what_write_wrote(dtype: torch.dtype) -> None:
+    """Slots written in any order read back in a sequence's order, by block table or by a run
+    of consecutive blocks, the same as the slot-ordered rows put in the cache's layout."""
+    cache = KVCache(LLAMA_LIKE, num_blocks=6, block_size=4, dtype=dtype, device="cpu")
+    hkv, d = LLAMA_LIKE.num_kv_heads, LLAMA_LIKE.head_dim
+    rows = torch.randn(24, hkv, d, generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(1))
+    write(cache.k[0], order, rows[order])
+    stored = encode(rows, dtype)  # (slots, Hkv, W) as the cache holds them
+    assert torch.equal(cache.k[0].view(torch.int8), head_major(stored).view(torch.int8))
+    table = torch.tensor([4, 1, 3, 0, 5, 2])  # two tables of three blocks, 10 positions each
+    got = gather(cache.k[0], table, 2, 10, 4)  # (2, Hkv, T, W)
+    for i, blocks in enumerate(((4, 1, 3), (0, 5, 2))):
+        want = torch.cat([stored[4 * blk: 4 * blk + 4] for blk in blocks])[:10]
+        assert torch.equal(got[i].view(torch.int8), want.transpose(0, 1).view(torch.int8))
+    run = gather(cache.k[0], 2, 1, 7, 4)  # blocks 2, 3 as a run: a view
+    assert torch.equal(run.view(torch.int8), stored[8:15].transpose(0, 1)[None].view(torch.int8))
+    assert run.data_ptr() == cache.k[0][:, 8:].data_ptr()

@@ -21,7 +21,7 @@ from common.settings import parse_settings
 from engine_worker import kernel_build
 from engine_worker.config import WorkerConfig
 from engine_worker.kernel_build import compiler_missing
-from engine_worker.kv_cache import decode, encode, kv_cache_bytes
+from engine_worker.kv_cache import decode, encode, head_major, kv_cache_bytes
 from engine_worker.model.attention import Attention
 from engine_worker.model_runner import ModelRunner
 from engine_worker.paged_attention import load_paged_attention, paged_decode_attention
@@ -47,12 +47,12 @@ def kernel() -> None:
 
 def ragged_case(b: int, h: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """q (B, H, D) a strided slice like the model's; caches (slots, Hkv, D); table (B, nblk) of
-    shuffled block ids; lengths on, just before and just after block edges."""
+    """q (B, H, D) a strided slice like the model's; caches (Hkv, slots, D); table (B, nblk)
+    of shuffled block ids; lengths on, just before and just after block edges."""
     bs, num_blocks = 4, 256
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks * bs, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks * bs, hkv, d, generator=g).to(dtype)
+    k_cache = head_major(torch.randn(num_blocks * bs, hkv, d, generator=g)).to(dtype)
+    v_cache = head_major(torch.randn(num_blocks * bs, hkv, d, generator=g)).to(dtype)
     edges = [1, bs - 1, bs, bs + 1, 2 * bs, 3 * bs + 1, 17, 38]
     lens = torch.tensor([edges[i % len(edges)] + (i // len(edges)) * 5 for i in range(b)])
     nblk = -(-int(lens.max()) // bs)
@@ -145,7 +145,7 @@ def test_kernel_zero_length_row_is_zeros_and_bad_ids_raise(kernel: None) -> None
     lens[1] = 0  # a padded row (a compiled step pads its batch): zeros, never NaN
     out = paged_decode_attention(q, k_cache, v_cache, table, lens, bs)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out.isfinite().all()
-    table[0, 0] = k_cache.shape[0] // bs  # one past the last block
+    table[0, 0] = k_cache.shape[1] // bs  # one past the last block
     with pytest.raises(RuntimeError, match="out of range"):
         paged_decode_attention(q, k_cache, v_cache, table, lens, bs)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_worker.kv_cache import kv_cache_bytes
+from engine_worker.kv_cache import head_major, kv_cache_bytes
 from engine_worker.model.attention import Attention
 from engine_worker.model.config import ModelConfig
 from engine_worker.model_runner import ModelRunner
@@ -34,8 +34,9 @@ def test_grouped_decode_equals_enable_gqa_on_scattered_ragged_contexts() -> None
     h, hkv, d, bs = 6, 2, 16, 4
     attn = Attention(gqa_config(h, hkv, d))
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(64 * bs, hkv, d, generator=g)  # (slots, Hkv, D)
-    v_cache = torch.randn(64 * bs, hkv, d, generator=g)
+    k_slots = torch.randn(64 * bs, hkv, d, generator=g)  # (slots, Hkv, D)
+    v_slots = torch.randn(64 * bs, hkv, d, generator=g)
+    k_cache, v_cache = head_major(k_slots), head_major(v_slots)  # (Hkv, slots, D)
     ctx = torch.tensor([13, 5, 24, 1])  # context length of each sequence
     t_max, b = int(ctx.max()), len(ctx)
     nblk = -(-t_max // bs)
@@ -53,8 +54,8 @@ def test_grouped_decode_equals_enable_gqa_on_scattered_ragged_contexts() -> None
         slots = torch.cat([blocks[i * nblk + j] * bs + torch.arange(bs) for j in range(nblk)])
         slots = slots[: int(ctx[i])]
         for head in range(h):
-            kh = k_cache[slots, head // (h // hkv)]  # (T_i, D)
-            vh = v_cache[slots, head // (h // hkv)]
+            kh = k_slots[slots, head // (h // hkv)]  # (T_i, D)
+            vh = v_slots[slots, head // (h // hkv)]
             w = torch.softmax(kh @ q[i, head] / d**0.5, dim=0)  # (T_i,)
             assert torch.allclose(got[i, head], w @ vh, atol=1e-5, rtol=1e-5)
 
