@@ -192,7 +192,8 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
     """The choice for this host and model, from the cache dir or measured now (a few s).
     A copy whose `num_layers` layers would take more than `copy_budget` bytes is no candidate;
     `int_dot_isa`: the integer-dot kernel is loaded, built for that path ("": not a candidate)."""
-    from engine_worker.model.gguf_native import layer_blocks, to_module
+    from engine_worker.model.gguf_native import layer_blocks
+    from engine_worker.model.linear_factory import from_blocks
 
     blocks = layer_blocks(gguf_path, 0)
     shapes = [(b.kind, b.n, b.k) for b in blocks]
@@ -219,7 +220,7 @@ def choose_paths(gguf_path: Path, cache_dir: Path, *, num_layers: int, device: s
         candidates["dense-bfloat16"] = replace(base, dense_min_rows=1)  # and back: no contender
     if int_dot_isa and all(b.fmt != "float" for b in blocks):
         candidates[INT_DOT] = replace(base, int_dot_all=True)
-    layers = {name: [to_module(b, plan, dev) for b in blocks]
+    layers = {name: [from_blocks(b, plan, dev) for b in blocks]
               for name, plan in candidates.items()}
     choice = decide(measure(layers, (*DECODE_ROWS, *PREFILL_ROWS)), bf16)
     if saved is not None:  # the earlier start's choice, checked again by this measurement

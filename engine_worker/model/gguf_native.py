@@ -8,7 +8,7 @@ Data flow of `load_gguf_model(gguf, cfg, device)`:
       -> Llama-architecture files only: q/k rows (and biases) un-permuted (llama.cpp's converter
          interleaves them for its RoPE; rows move whole, so the blocks are untouched)
       -> q|k|v and gate|up concatenated by rows (kept as parts when their formats differ)
-      -> a layer per matmul, as the matmul plan routes its format (model/matmul_plan.py):
+      -> a layer per matmul (model/linear_factory.py), as the matmul plan routes its format:
            files with types torch has no packed kernel for: the integer-dot kernel at every row
              count, the file's blocks held once
            else, as measured on this host (engine_worker/path_choice.py): the integer-dot kernel
@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +43,11 @@ from engine_worker.model import ggml_types
 from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.ggml_types import Blocks, cat, read_tensor
-from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.int_dot_linear import IntDotLinear
-from engine_worker.model.layers import Linear
+from engine_worker.model.linear_factory import from_blocks
 from engine_worker.model.llama import LlamaForCausalLM
-from engine_worker.model.matmul_plan import MatmulPlan, Route
-from engine_worker.model.quant_group import Int8GroupEmbedding, Int8GroupLinear
+from engine_worker.model.matmul_plan import MatmulPlan
+from engine_worker.model.quant_group import Int8GroupEmbedding
 
 log = logging.getLogger("kestrel.gguf")
 
@@ -106,48 +104,6 @@ class BlockEmbedding(nn.Module):
         rows = self.raw.index_select(0, ids.reshape(-1))
         w = int_dot.dequantize(self.fmt, rows, rows.shape[0], self.embedding_dim)
         return w.to(torch.float32).reshape(*ids.shape, self.embedding_dim)
-
-
-Packer = Callable[[Blocks], int_dot.Packed]
-
-
-def to_module(b: Blocks, plan: MatmulPlan, device: torch.device, head: bool = False,
-              bias: torch.Tensor | None = None, pack: Packer | None = None) -> nn.Module:
-    """Blocks -> a layer computing x @ w.T (+ bias) by the plan's routes for their format: the
-    integer-dot kernel (loaded by the caller) alone, or in front of the packed layer (Linear for
-    float) that takes the rows past its bound. `pack`: the blocks in the kernel's layout (the
-    block cache's mapped copy; default: packed here)."""
-    routes = plan.routes(b.fmt, head, fits=b.n % 16 == 0)
-    pack = pack or (lambda b: int_dot.pack(b.fmt, b.raw, b.n, b.k))
-    if routes[0].path == "int_dot" and len(routes) == 1:
-        return IntDotLinear(pack(b), None, 0, bias)
-    if routes[0].path == "int_dot":  # the kernel in front adds the bias, whoever computes
-        return IntDotLinear(pack(b), _packed_module(b, device, routes[1:]), routes[0].upto,
-                            bias)
-    return _packed_module(b, device, routes, None if bias is None else bias.to(device))
-
-
-def _packed_module(b: Blocks, device: torch.device, routes: tuple[Route, ...],
-                   bias: torch.Tensor | None = None) -> nn.Module:
-    b = b.packable()
-    if b.kind == "float":  # (formats torch has no packed kernel for, where ours is not built)
-        lin = Linear(b.k, b.n, bias=bias is not None, device="meta")
-        lin.weight = nn.Parameter(torch.from_numpy(b.floats()).to(device), requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.to(lin.weight.dtype), requires_grad=False)
-        return lin
-    q, scale, zero = b.codes_scales()
-    codes = torch.from_numpy(np.ascontiguousarray(q)).to(device)
-    if b.kind == "int4":
-        kernel = next((r for r in routes if r.path == "int4"), None)
-        cd = torch.float32 if kernel is None else getattr(torch, kernel.dtype)
-        s = torch.from_numpy(scale).to(device, cd)
-        z = torch.from_numpy(zero).to(device, cd)  # type: ignore[arg-type]
-        copy = any(r.path == "dense" for r in routes)
-        return Int4GroupLinear.from_codes(
-            codes.to(torch.int32), s, z, 32, bias, routes=routes,
-            weight=torch.from_numpy(b.floats()).to(device) if copy else None)
-    return Int8GroupLinear(codes, torch.from_numpy(scale).to(device), routes, bias)
 
 
 class ModelRefused(ValueError):
@@ -222,7 +178,7 @@ def load_gguf_model(
            key: str = "") -> nn.Module:
         pack = None if blocks is None or device.type != "cpu" else (
             lambda b: blocks.packed(key, b.fmt, lambda: b.raw, b.n, b.k))
-        return to_module(b, plan, device, head, bias, pack)
+        return from_blocks(b, plan, device, head, bias, pack)
 
     floats: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):

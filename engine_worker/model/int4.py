@@ -63,32 +63,14 @@ class Int4GroupLinear(RoutedLinear):
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
         routes: tuple[Route, ...] | None = None, clip_search: bool = False,
     ) -> Int4GroupLinear:
-        """Round-to-nearest over each group's [min, max]; with clip_search, each group also
-        tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared error
-        (an outlier then costs one clipped weight instead of a coarse step for all 32)."""
-        n, k = weight.shape
-        if k % group_size or k % 2:
-            raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
+        """int4_groups' codes as a layer (routes: default_routes for the matrix's device)."""
+        n = weight.shape[0]
         if routes is None:
             routes = default_routes("int4", weight.device.type,
                                     fits=n % 16 == 0 and group_size in TILED_GROUPS)
-        compute_dtype = routes_dtype(routes) or weight.dtype  # the scales' and zeros'
-        w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
-        q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
-        if clip_search:  # per group, the clipped range with the least squared error
-            best = ((_dequant_groups(q, scale, zero) - w) ** 2).sum(-1)  # (N, K/G)
-            lo, hi = w.amin(-1), w.amax(-1)
-            # both ends shrunk, or only one (an outlier is usually on one side)
-            ranges = [(lo * a, hi * b) for c in CLIP_SHRINKS for a, b in ((c, c), (c, 1), (1, c))]
-            for lo2, hi2 in ranges:
-                q2, s2, z2 = _round_groups(w, lo2, hi2, compute_dtype)
-                err = ((_dequant_groups(q2, s2, z2) - w) ** 2).sum(-1)
-                better = err < best
-                best = torch.where(better, err, best)
-                q = torch.where(better[..., None], q2, q)
-                scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
-        return cls.from_codes(q.view(n, k), scale, zero, group_size, bias,
-                              routes=routes)
+        q, scale, zero = int4_groups(weight, group_size, routes_dtype(routes) or weight.dtype,
+                                     clip_search)
+        return cls.from_codes(q, scale, zero, group_size, bias, routes=routes)
 
     @classmethod
     def from_codes(
@@ -138,6 +120,32 @@ class Int4GroupLinear(RoutedLinear):
 
 
 CLIP_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def int4_groups(weight: torch.Tensor, group_size: int, compute_dtype: torch.dtype,
+                clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The INT4 rule over a float (N, K) matrix: codes (N, K) in 0..15, scale and zero (N, K/G)
+    in compute_dtype. Round-to-nearest over each group's [min, max]; with clip_search, each
+    group also tries ranges shrunk by CLIP_SHRINKS and keeps the one with the least squared
+    error (an outlier then costs one clipped weight instead of a coarse step for all 32)."""
+    n, k = weight.shape
+    if k % group_size or k % 2:
+        raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
+    w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
+    q, scale, zero = _round_groups(w, w.amin(-1), w.amax(-1), compute_dtype)
+    if clip_search:  # per group, the clipped range with the least squared error
+        best = ((_dequant_groups(q, scale, zero) - w) ** 2).sum(-1)  # (N, K/G)
+        lo, hi = w.amin(-1), w.amax(-1)
+        # both ends shrunk, or only one (an outlier is usually on one side)
+        ranges = [(lo * a, hi * b) for c in CLIP_SHRINKS for a, b in ((c, c), (c, 1), (1, c))]
+        for lo2, hi2 in ranges:
+            q2, s2, z2 = _round_groups(w, lo2, hi2, compute_dtype)
+            err = ((_dequant_groups(q2, s2, z2) - w) ** 2).sum(-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            q = torch.where(better[..., None], q2, q)
+            scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
+    return q.view(n, k).to(torch.uint8), scale, zero
 
 
 def _round_groups(

@@ -3,7 +3,8 @@
 Data flow of `quantize_model(model, "int8" | "int4", group_size)`, run once after loading:
 
     each nn.Linear of the decoder layers (fused qkv_proj, o_proj, gate_up_proj, down_proj)
-      -> Int8Linear.from_float / Int4GroupLinear.from_float -> setattr on its parent
+      -> linear_factory.from_float: codes by the mode's rounding rule, then the kind's layer
+         (the table the GGUF path builds its layers from too) -> setattr on its parent
     LM head (optional): an untied head is swapped the same way; a tied one (SmolLM2) gets its
       own quantized head, and the embedding becomes an Int8Embedding (shared with an INT8 head)
       so the float matrix is freed
@@ -32,8 +33,9 @@ import torch
 from torch import nn
 
 from engine_worker.config import QUANT_GROUP_SIZES, QUANTIZATIONS, check_choice
-from engine_worker.model.int4 import TILED_GROUPS, Int4GroupLinear
+from engine_worker.model.int4 import TILED_GROUPS
 from engine_worker.model.int8 import Int8Embedding, Int8Linear
+from engine_worker.model.linear_factory import from_float
 from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import GROUP, Int8GroupEmbedding, Int8GroupLinear
 
@@ -130,10 +132,10 @@ def _quantize(
 ) -> nn.Module | None:
     if mode == "int8g32" and b is None and w.shape[1] % GROUP == 0:
         report.group_sizes[name] = GROUP
-        return Int8GroupLinear.from_float(w, routes=plan.routes("int8_groups", head=True))
+        return from_float(w, None, "int8_groups", plan.routes("int8_groups", head=True))
     if mode in ("int8", "int8g32"):
         report.group_sizes[name] = 0
-        return Int8Linear.from_float(w, b, routes=plan.routes("int8"))
+        return from_float(w, b, "int8", plan.routes("int8"))
     g = pick_group_size(w.shape[1], group_size)
     if g is None:
         log.warning("%s: in_features %d has no group size <= %d; left in float",
@@ -144,8 +146,8 @@ def _quantize(
         report.fallbacks.setdefault((w.shape[1], g), []).append(name)
     report.group_sizes[name] = g
     fits = w.shape[0] % 16 == 0 and g in TILED_GROUPS
-    return Int4GroupLinear.from_float(w, b, group_size=g, routes=plan.routes("int4", fits=fits),
-                                      clip_search=clip_search)
+    return from_float(w, b, "int4", plan.routes("int4", fits=fits), group=g,
+                      clip_search=clip_search)
 
 
 @torch.no_grad()

@@ -62,6 +62,19 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], codes.shape[0])  # (M, N)
 
 
+def q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0's own rule on a float (N, K) matrix: per group of 32, scale = max|w| / 127 (stored
+    as float16, as a Q8_0 file would), codes = round(w / scale), rounded against the stored
+    scale: (codes (N, K) int8, scales (N, K/32) float32)."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
+    w = weight.detach().float().view(n, k // GROUP, GROUP)  # (N, G, 32)
+    scales = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12).half().float()  # (N, G)
+    codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return codes, scales
+
+
 class Int8GroupLinear(RoutedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
                  routes: tuple[Route, ...] | None = None,
@@ -103,17 +116,10 @@ class Int8GroupLinear(RoutedLinear):
     @classmethod
     def from_float(cls, weight: torch.Tensor, *,
                    routes: tuple[Route, ...] | None = None) -> Int8GroupLinear:
-        """Q8_0's own rule on a float (N, K) matrix: per group of 32, scale = max|w| / 127 (stored
-        as float16, as a Q8_0 file would), codes = round(w / scale), rounded against the stored
-        scale. The INT4 mode's head: 1 byte a weight, ~2x the error of per-row INT8 spread over
-        groups, and it keeps SmolLM2's Paris answer where per-row INT8 did not."""
-        n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
-        w = weight.detach().float().view(n, k // GROUP, GROUP)  # (N, G, 32)
-        scales = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12).half().float()  # (N, G)
-        codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
-        return cls(codes, scales, routes)
+        """q8_groups' codes as a layer. The INT4 mode's head: 1 byte a weight, ~2x the error
+        of per-row INT8 spread over groups, and it keeps SmolLM2's Paris answer where per-row
+        INT8 did not."""
+        return cls(*q8_groups(weight), routes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights: codes times their group's float32 scale, then cast."""
