@@ -28,6 +28,25 @@ def test_cap_sets_march_and_keys_its_own_folder(monkeypatch: pytest.MonkeyPatch,
     assert kernel_build.build_dir("paged_attention", tmp_path) != native
 
 
+def test_an_edited_header_keys_a_new_build(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """A kernel includes the csrc/*.h beside it (paged_attention.cpp: attention_math.h): an
+    edit to a header must build anew, never load the library built before it."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernel_build.CSRC, csrc)
+    assert (csrc / "attention_math.h").is_file()
+    monkeypatch.setattr(kernel_build, "CSRC", csrc)
+    before = (kernel_build.build_dir("paged_attention", tmp_path),
+              kernel_build.prebuilt_lib("paged_attention", "avx2", tmp_path),
+              kernel_build.sources_digest())
+    with open(csrc / "attention_math.h", "a", encoding="utf-8") as f:
+        f.write("\n// edited\n")
+    after = (kernel_build.build_dir("paged_attention", tmp_path),
+             kernel_build.prebuilt_lib("paged_attention", "avx2", tmp_path),
+             kernel_build.sources_digest())
+    assert all(a != b for a, b in zip(before, after, strict=True))
+
+
 def test_cap_above_this_cpu_or_unknown_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel_build, "_cpu_flags", lambda: "fpu avx avx2 fma f16c")
     monkeypatch.setenv("KESTREL_CPU_ISA", "avx512")
@@ -109,6 +128,8 @@ V4 = "avx2 fma f16c avx512f avx512bw avx512dq avx512vl"
     (V4, "native", ["avx512", "avx2"]),
     (V4 + " avx512_vnni", "native", ["avx512vnni", "avx512", "avx2"]),
     (V4 + " avx512_vnni avx_vnni", "native", ["avx512vnni", "avx512", "avxvnni", "avx2"]),
+    (V4 + " avx512_vnni avx512_bf16", "native", ["avx512bf16", "avx512vnni", "avx512", "avx2"]),
+    (V4 + " avx512_vnni avx512_bf16", "avx512", ["avx512", "avx2"]),
     (V4 + " avx512_vnni", "avx2", ["avx2"]),  # the cap's own -march, nothing past it
     (V4 + " avx512_vnni", "avx512", ["avx512", "avx2"]),
     ("fp asimd", "native", []),
