@@ -8,7 +8,8 @@ and llama.cpp's llama-server side by side on the same GGUF, in one run.
 Data flow:
   1. the host's read bandwidth: torch sums a 1 GiB float32 tensor and multiplies it as a
      matrix by a vector, with --threads threads, the best of 5 each (a decode step streams its
-     weights once, as these do)
+     weights once, as these do); probed again after each context's streams, and the floors use
+     the median of the probes (a 2-vCPU Zen 4 VM read 29 to 56 GB/s within one hour)
   2. ours (`kestrel serve FILE`, default flags but --kv-cache-dtype, once per dtype listed;
      auto is the default, bfloat16 on a CPU): /health says what its decode step reads (the
      weights a token, K/V bytes a token of context, the cache's dtype); then for each context,
@@ -17,7 +18,9 @@ Data flow:
      the gap between streamed tokens, p50 over all repeats (a stream's first gap, after the
      prefill, is left out)
   3. llama-server (`-c` the longest context + tokens, `-np 1`, `-t --threads`), the same token
-     ids through its native /completion (n_predict, ignore_eos, stream)
+     ids through its native /completion (n_predict, ignore_eos, stream). All servers are up at
+     once (idle but for the one streaming) and take turns stream by stream, so a slow spell of
+     a shared host (a VM's neighbours) falls on every column alike
   4. the floor of each: (weights read + context x K/V bytes a token) / bandwidth. llama.cpp's
      bytes are the file's tensors but the embedding table (one row read; whole where it is the
      head too) and an f16 cache (its default)
@@ -36,7 +39,9 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -116,8 +121,9 @@ def itl_llama(url: str, ids: list[int], tokens: int) -> list[float]:
     return stream_gaps(url, "/completion", body, b'"content"')
 
 
-def run_ours(gguf: Path, contexts: list[int], args: argparse.Namespace,
-             kv_dtype: str) -> tuple[dict, dict]:
+def start_ours(gguf: Path, kv_dtype: str) -> tuple[subprocess.Popen, str, dict, str]:
+    """`kestrel serve FILE` with this cache dtype, ready and warm: its process, url, /health's
+    worker (with the served context) and model id."""
     port = free_port()
     env = {**os.environ, "PORT": str(port), "KESTREL_MODEL": str(gguf),
            "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_KV_CACHE_DTYPE": kv_dtype}
@@ -129,22 +135,14 @@ def run_ours(gguf: Path, contexts: list[int], args: argparse.Namespace,
         [worker] = httpx.get(url + "/health", timeout=10).json()["workers"]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
         itl_ours(url, model["id"], prompt_ids(64, 7), 32)  # warm-up, not counted
-        itl = {}
-        for ctx in contexts:
-            gaps: list[float] = []
-            for rep in range(args.repeats):  # a new prompt each time: no prefix-cache hit
-                gaps += itl_ours(url, model["id"], prompt_ids(ctx, 1000 * ctx + rep),
-                                 args.tokens)
-            itl[ctx] = statistics.median(gaps)
-            print(f"  ours ({kv_dtype} cache), context {ctx}: ITL p50 {1e3 * itl[ctx]:.1f} ms",
-                  flush=True)
-        return worker | {"max_model_len": model["max_model_len"]}, itl
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return proc, url, worker | {"max_model_len": model["max_model_len"]}, model["id"]
 
 
-def run_llama(binary: Path, gguf: Path, contexts: list[int],
-              args: argparse.Namespace) -> dict:
+def start_llama(binary: Path, gguf: Path, contexts: list[int],
+                args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     ctx_size = max(contexts) + args.tokens + 64
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(args.threads), "-np", "1",
@@ -154,16 +152,30 @@ def run_llama(binary: Path, gguf: Path, contexts: list[int],
     try:
         wait_ready(url, proc)
         itl_llama(url, prompt_ids(64, 7), 32)  # warm-up, not counted
-        itl = {}
-        for ctx in contexts:
-            gaps: list[float] = []
-            for rep in range(args.repeats):
-                gaps += itl_llama(url, prompt_ids(ctx, 1000 * ctx + rep), args.tokens)
-            itl[ctx] = statistics.median(gaps)
-            print(f"  llama-server, context {ctx}: ITL p50 {1e3 * itl[ctx]:.1f} ms", flush=True)
-        return itl
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return proc, url
+
+
+def measure(contexts: list[int], repeats: int, tokens: int, runners: dict[str, Any],
+            after_context: Any = None) -> dict[str, dict[int, float]]:
+    """ITL p50 of each runner (name -> fn(ids, tokens) -> gaps) at each context, the runners
+    taking turns stream by stream (ours, llama-server, ours, ...), so that a slow spell of a
+    shared host falls on all of them alike rather than on whichever ran then; after_context()
+    is called after each context's streams (the bandwidth probe)."""
+    gaps: dict[str, dict[int, list[float]]] = {n: {c: [] for c in contexts} for n in runners}
+    for ctx in contexts:
+        for rep in range(repeats):  # a new prompt each time: no prefix-cache hit
+            ids = prompt_ids(ctx, 1000 * ctx + rep)
+            for name, run in runners.items():
+                gaps[name][ctx] += run(ids, tokens)
+        for name in runners:
+            print(f"  {name}, context {ctx}: ITL p50 "
+                  f"{1e3 * statistics.median(gaps[name][ctx]):.1f} ms", flush=True)
+        if after_context is not None:
+            after_context()
+    return {n: {c: statistics.median(g) for c, g in by.items()} for n, by in gaps.items()}
 
 
 def main() -> int:
@@ -178,22 +190,41 @@ def main() -> int:
                     help="ours once per --kv-cache-dtype listed (e.g. auto,float32)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    bw = read_bandwidth(args.threads)
-    print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
-    runs = {}
-    for kv_dtype in args.kv_cache_dtypes.split(","):
-        worker, ours = run_ours(args.gguf, contexts, args, kv_dtype)
-        print(f"ours ({kv_dtype}): a decode step reads {worker['decode_read_mb']:.1f} MB of "
-              f"weights and {worker['kv_bytes_per_token'] / 1024:.1f} KiB of "
-              f"{worker['kv_cache_dtype']} K/V a token of context; served context "
-              f"{worker['max_model_len']}", flush=True)
-        runs[kv_dtype] = (worker, ours)
-    theirs: dict = {}
+    probes = [read_bandwidth(args.threads)]
+    print(f"read bandwidth: {probes[0] / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+
+    def probe() -> None:
+        probes.append(read_bandwidth(args.threads))
+        print(f"read bandwidth: {probes[-1] / 1e9:.1f} GB/s", flush=True)
+    procs: list[subprocess.Popen] = []
+    runners: dict[str, Any] = {}
+    workers: dict[str, dict] = {}
+    try:
+        for kv_dtype in args.kv_cache_dtypes.split(","):
+            proc, url, worker, model = start_ours(args.gguf, kv_dtype)
+            procs.append(proc)
+            print(f"ours ({kv_dtype}): a decode step reads {worker['decode_read_mb']:.1f} MB of "
+                  f"weights and {worker['kv_bytes_per_token'] / 1024:.1f} KiB of "
+                  f"{worker['kv_cache_dtype']} K/V a token of context; served context "
+                  f"{worker['max_model_len']}", flush=True)
+            workers[kv_dtype] = worker
+            runners[f"ours ({kv_dtype} cache)"] = partial(itl_ours, url, model)
+        if args.llama_server is not None:
+            proc, url = start_llama(args.llama_server, args.gguf, contexts, args)
+            procs.append(proc)
+            runners["llama-server"] = partial(itl_llama, url)
+        else:
+            print("no --llama-server given: its column is left out")
+        itl = measure(contexts, args.repeats, args.tokens, runners, probe)
+    finally:
+        for proc in procs:
+            stop(proc)
+    bw = statistics.median(probes)
+    print(f"the floors below use the median of {len(probes)} probes, {bw / 1e9:.1f} GB/s "
+          f"(from {min(probes) / 1e9:.1f} to {max(probes) / 1e9:.1f})", flush=True)
+    runs = {k: (w, itl[f"ours ({k} cache)"]) for k, w in workers.items()}
+    theirs: dict = itl.get("llama-server", {})
     lw, lkv = llama_bytes(args.gguf)
-    if args.llama_server is not None:
-        theirs = run_llama(args.llama_server, args.gguf, contexts, args)
-    else:
-        print("no --llama-server given: its column is left out")
     print("\n| context | ours: KV cache | MB read | floor (ms) | ITL p50 (ms) | / floor | "
           "llama-server: MB read | floor (ms) | ITL p50 (ms) | / floor | ours / theirs |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
