@@ -91,24 +91,32 @@ inline void dot4(const float* __restrict q, const float* k0, const float* k1, co
   std::memcpy(out, &s, sizeof(s));
 }
 
+// s[r] = q . k_r for a block's n rows, `stride` apart, four rows a call of four(q, k0..k3, out);
+// the last rows are each the same sum it would be among four (the call repeats a row to fill
+// its four), so a row's score does not depend on where the block ends.
+template <typename Dot4, typename Q, typename E>
+inline void in_fours(Dot4 four, const Q* q, const E* kb, int64_t n, int64_t stride, float* s) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) {
+    const E* k = kb + r * stride;
+    four(q, k, k + stride, k + 2 * stride, k + 3 * stride, s + r);
+  }
+  if (r < n) {
+    float tail[4];
+    const E* k = kb + r * stride;
+    const int64_t last = n - 1 - r;
+    four(q, k, k + std::min<int64_t>(1, last) * stride, k + std::min<int64_t>(2, last) * stride,
+         k + last * stride, tail);
+    for (int64_t j = 0; r + j < n; ++j) s[r + j] = tail[j];
+  }
+}
+
 // s[r] = q . k_r for a block's n rows, `stride` apart.
 template <int DC>
 inline void scores_block(const float* q, const float* kb, int64_t n, int64_t stride,
                          int64_t d, float* s) {
   if constexpr (DC > 0) {
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) {
-      const float* k = kb + r * stride;
-      dot4<DC>(q, k, k + stride, k + 2 * stride, k + 3 * stride, s + r);
-    }
-    if (r < n) {  // the last rows, each the same sum it would be among four
-      float tail[4];
-      const float* k = kb + r * stride;
-      const int64_t last = n - 1 - r;
-      dot4<DC>(q, k, k + std::min<int64_t>(1, last) * stride,
-               k + std::min<int64_t>(2, last) * stride, k + last * stride, tail);
-      for (int64_t j = 0; r + j < n; ++j) s[r + j] = tail[j];
-    }
+    in_fours([](auto... a) { dot4<DC>(a...); }, q, kb, n, stride, s);
   } else {
     for (int64_t r = 0; r < n; ++r) s[r] = dot(q, kb + r * stride, d);
   }
@@ -267,19 +275,7 @@ inline void dot4_bh(const bh* q, const bh* k0, const bh* k1, const bh* k2, const
 
 template <int DC>
 inline void scores_block_bh(const bh* q, const bh* kb, int64_t n, int64_t stride, float* s) {
-  int64_t r = 0;
-  for (; r + 4 <= n; r += 4) {
-    const bh* k = kb + r * stride;
-    dot4_bh<DC>(q, k, k + stride, k + 2 * stride, k + 3 * stride, s + r);
-  }
-  if (r < n) {
-    float tail[4];
-    const bh* k = kb + r * stride;
-    const int64_t last = n - 1 - r;
-    dot4_bh<DC>(q, k, k + std::min<int64_t>(1, last) * stride,
-                k + std::min<int64_t>(2, last) * stride, k + last * stride, tail);
-    for (int64_t j = 0; r + j < n; ++j) s[r + j] = tail[j];
-  }
+  in_fours([](auto... a) { dot4_bh<DC>(a...); }, q, kb, n, stride, s);
 }
 
 // A block's n V rows as pairs of rows interleaved for vdpbf16ps: for rows (r, r + 1) and each
