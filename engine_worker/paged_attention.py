@@ -89,6 +89,13 @@ def load_paged_attention(mode: str, device: torch.device, dtype: torch.dtype,
     return PagedAttention(True, "in place")
 
 
+def bf16_dot() -> bool:
+    """Whether the loaded kernel reads a bfloat16 cache by vdpbf16ps (built where the host has
+    AVX512-BF16 and KESTREL_CPU_ISA does not cap it away) rather than widening it to float32
+    (load_paged_attention first)."""
+    return torch.ops.kestrel.paged_attention_bf16_dot()
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # (B, H, D), unit last stride
     k_cache: torch.Tensor,  # (Hkv, slots, W) contiguous: W = D, or an 8-bit cache's row

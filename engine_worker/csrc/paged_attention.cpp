@@ -167,53 +167,61 @@ inline void prefetch_rows(const void* src, int64_t bytes) {
 }
 
 
+// Each of a sequence's blocks of one head in turn, f(rows, n, t): rows the block's first row of
+// that head (rows `width` elements apart), n its rows within the context, t the position of its
+// first. A block that does not follow the one before it in memory is prefetched a block ahead:
+// the hardware prefetcher follows a head's run of consecutive blocks, not a jump.
+template <typename C, typename F>
+inline void walk_blocks(const C* head, const int64_t* tbl, int64_t t_len, int64_t bs,
+                        int64_t width, F f) {
+  for (int64_t j = 0, t = 0; t < t_len; ++j, t += bs) {
+    if (t + bs < t_len && tbl[j + 1] != tbl[j] + 1)
+      prefetch_rows(head + tbl[j + 1] * bs * width, bs * width * sizeof(C));
+    f(head + tbl[j] * bs * width, std::min(bs, t_len - t), t);
+  }
+}
+
 #if defined(KESTREL_BF16_DOT)
+// One thread's buffers for bf16_task, reused across its tasks: the query rows as hi and lo
+// halves, the numerators as bfloat16, a block's V rows paired, the sums in paired order.
+struct Bf16Scratch {
+  std::vector<bh> q, p, pairs;
+  std::vector<float> paired;
+  Bf16Scratch(int64_t G, int64_t D, int64_t bs) : q(2 * G * D), pairs((bs + 1) * D), paired(G * D) {}
+};
+
 // One (sequence, KV head) task over a bfloat16 cache with vdpbf16ps: k and v point at the head's
 // run of slots; scores (G * t_len), acc (G * D) and sums (G) are filled as decode_kernel's
 // float32 passes fill them, acc in value order.
 template <int DC>
 void bf16_task(const float* qf, const bh* k, const bh* v, const int64_t* tbl, int64_t t_len,
                int64_t G, int64_t bs, int64_t width, float* scores, float* acc, float* sums,
-               std::vector<bh>& qb, std::vector<bh>& pbf, std::vector<bh>& pairs) {
+               Bf16Scratch& s) {
   // each query row as its bfloat16 rounding, then the rounding of what that left (hi, lo)
   for (int64_t g = 0; g < G; ++g) {
-    bh* hi = &qb[2 * g * DC];
+    bh* hi = &s.q[2 * g * DC];
     round_bf16(qf + g * DC, hi, DC);
     float rest[DC];
-    for (int64_t i = 0; i < DC; ++i) {
-      const uint32_t wide = static_cast<uint32_t>(hi[i]) << 16;
-      float f;
-      std::memcpy(&f, &wide, sizeof(f));
-      rest[i] = qf[g * DC + i] - f;
-    }
+    for (int64_t i = 0; i < DC; ++i) rest[i] = qf[g * DC + i] - widen(bf16{hi[i]});
     round_bf16(rest, hi + DC, DC);
   }
-  for (int64_t j = 0, t = 0; t < t_len; ++j) {
-    const int64_t n = std::min(bs, t_len - t);
-    if (t + bs < t_len && tbl[j + 1] != tbl[j] + 1)
-      prefetch_rows(k + tbl[j + 1] * bs * width, bs * width * sizeof(bh));
-    const bh* kb = k + tbl[j] * bs * width;
+  walk_blocks(k, tbl, t_len, bs, width, [&](const bh* kb, int64_t n, int64_t t) {
     for (int64_t g = 0; g < G; ++g)
-      scores_block_bh<DC>(&qb[2 * g * DC], kb, n, width, &scores[g * t_len + t]);
-    t += n;
-  }
-  pbf.resize(G * t_len);
+      scores_block_bh<DC>(&s.q[2 * g * DC], kb, n, width, &scores[g * t_len + t]);
+  });
+  s.p.resize(G * t_len);
   for (int64_t g = 0; g < G; ++g) {
     sums[g] = softmax_numerators(&scores[g * t_len], t_len);
-    round_bf16(&scores[g * t_len], &pbf[g * t_len], t_len);
+    round_bf16(&scores[g * t_len], &s.p[g * t_len], t_len);
   }
-  std::vector<float> paired(G * DC, 0.f);
-  for (int64_t j = 0, t = 0; t < t_len; ++j) {
-    const int64_t n = std::min(bs, t_len - t);
-    if (t + bs < t_len && tbl[j + 1] != tbl[j] + 1)
-      prefetch_rows(v + tbl[j + 1] * bs * width, bs * width * sizeof(bh));
-    pair_rows<DC>(v + tbl[j] * bs * width, n, width, pairs.data());
+  std::fill(s.paired.begin(), s.paired.end(), 0.f);
+  walk_blocks(v, tbl, t_len, bs, width, [&](const bh* vb, int64_t n, int64_t t) {
+    pair_rows<DC>(vb, n, width, s.pairs.data());
     for (int64_t g = 0; g < G; ++g)
-      axpy_block_bh<DC>(&paired[g * DC], &pbf[g * t_len + t], pairs.data(), n);
-    t += n;
-  }
+      axpy_block_bh<DC>(&s.paired[g * DC], &s.p[g * t_len + t], s.pairs.data(), n);
+  });
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t e = 0; e < DC; ++e) acc[g * DC + paired_index(e)] = paired[g * DC + e];
+    for (int64_t e = 0; e < DC; ++e) acc[g * DC + paired_index(e)] = s.paired[g * DC + e];
 }
 #endif
 
@@ -228,7 +236,7 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C*
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(bs * D), scores, sums(G);
 #if defined(KESTREL_BF16_DOT)
-    std::vector<bh> qb(2 * G * D), pbf, pairs((bs + 1) * D);
+    Bf16Scratch scratch(G, D, bs);
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
@@ -247,36 +255,28 @@ void decode_kernel(const T* q, int64_t q_sb, int64_t q_sh, const C* kc, const C*
       if constexpr (std::is_same_v<C, bf16> && DC > 0 && DC % 32 == 0) {
         bf16_task<DC>(qf.data(), reinterpret_cast<const bh*>(kc + h * head_rows),
                       reinterpret_cast<const bh*>(vc + h * head_rows), tbl, t_len, G, bs,
-                      width, scores.data(), acc.data(), sums.data(), qb, pbf, pairs);
+                      width, scores.data(), acc.data(), sums.data(), scratch);
         for (int64_t g = 0; g < G; ++g) store_row(o + g * D, &acc[g * D], 1.f / sums[g], D);
         continue;
       }
 #endif
       // pass 1: scores[g, t] = q_g . k_t; a block's K rows are read from memory once, then
       // serve the G query rows from L1
-      for (int64_t j = 0, t = 0; t < t_len; ++j) {
-        const int64_t n = std::min(bs, t_len - t);
-        if (t + bs < t_len && tbl[j + 1] != tbl[j] + 1)
-          prefetch_rows(kc + h * head_rows + tbl[j + 1] * bs * width, bs * width * sizeof(C));
-        const float* kb = block_f32(kc + h * head_rows + tbl[j] * bs * width, n, D, width,
-                                    buf.data(), &stride);
+      walk_blocks(kc + h * head_rows, tbl, t_len, bs, width, [&](const C* rows, int64_t n,
+                                                                    int64_t t) {
+        const float* kb = block_f32(rows, n, D, width, buf.data(), &stride);
         for (int64_t g = 0; g < G; ++g)
           scores_block<DC>(&qf[g * D], kb, n, stride, D, &scores[g * t_len + t]);
-        t += n;
-      }
+      });
       for (int64_t g = 0; g < G; ++g) sums[g] = softmax_numerators(&scores[g * t_len], t_len);
       // pass 2: acc[g] = sum_t p[g, t] v_t; V read once per block, as K was
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0, t = 0; t < t_len; ++j) {
-        const int64_t n = std::min(bs, t_len - t);
-        if (t + bs < t_len && tbl[j + 1] != tbl[j] + 1)
-          prefetch_rows(vc + h * head_rows + tbl[j + 1] * bs * width, bs * width * sizeof(C));
-        const float* vb = block_f32(vc + h * head_rows + tbl[j] * bs * width, n, D, width,
-                                    buf.data(), &stride);
+      walk_blocks(vc + h * head_rows, tbl, t_len, bs, width, [&](const C* rows, int64_t n,
+                                                                    int64_t t) {
+        const float* vb = block_f32(rows, n, D, width, buf.data(), &stride);
         for (int64_t g = 0; g < G; ++g)
           axpy_block<DC>(&acc[g * D], &scores[g * t_len + t], vb, n, stride, D);
-        t += n;
-      }
+      });
       for (int64_t g = 0; g < G; ++g) store_row(o + g * D, &acc[g * D], 1.f / sums[g], D);
     }
   });
@@ -374,12 +374,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Whether this build reads a bfloat16 cache by vdpbf16ps (bf16_task) or widens it to float32.
+bool paged_attention_bf16_dot() {
+#if defined(KESTREL_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kestrel, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor context_lens, int block_size) -> Tensor");
+  m.def("paged_attention_bf16_dot() -> bool", &paged_attention_bf16_dot);  // catch-all
 }
 
 TORCH_LIBRARY_IMPL(kestrel, CPU, m) {

@@ -24,7 +24,11 @@ from engine_worker.kernel_build import compiler_missing
 from engine_worker.kv_cache import decode, encode, head_major, kv_cache_bytes
 from engine_worker.model.attention import Attention
 from engine_worker.model_runner import ModelRunner
-from engine_worker.paged_attention import load_paged_attention, paged_decode_attention
+from engine_worker.paged_attention import (
+    bf16_dot,
+    load_paged_attention,
+    paged_decode_attention,
+)
 from engine_worker.runner_config import RunnerConfig
 from engine_worker.step import StepItem
 from tests.engine_worker.greedy_run import greedy_tokens
@@ -95,18 +99,26 @@ def test_kernel_equals_gather_path(kernel: None, dtype: torch.dtype, b: int,
     assert torch.allclose(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_the_bfloat16_dot_path_follows_the_host_and_the_cap(kernel: None) -> None:
+    """vdpbf16ps is built where the build's -march has AVX512-BF16: -march=native on a host
+    that has it, never under KESTREL_CPU_ISA=avx2 or avx512 (x86-64-v3 / -v4 lack it), so
+    `make test-avx2` runs the float32 path over a bfloat16 cache."""
+    has = "avx512_bf16" in kernel_build._cpu_flags().split()
+    assert bf16_dot() == (kernel_build.isa_cap() == "native" and has)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 16), (12, 2, 128)])
 def test_float32_queries_read_a_16_bit_cache_in_place(kernel: None, cache_dtype: torch.dtype,
                                                       heads: tuple[int, int, int]) -> None:
     """Issue 53: the cache in its own 16-bit dtype under float32 activations, read where it
     sits: the gather path's answer over the same 16-bit values widened to float32. A float16
-    cache is widened and summed in float32 (the same to 2e-6). A bfloat16 one, on a host with
-    AVX512-BF16, is summed by vdpbf16ps with the query split into two bfloat16 halves and the
-    softmax's numerators rounded to bfloat16 (llama.cpp rounds the query to the cache's type
-    and sums a float16 V in float16): its error against float64 must stay under half of what
-    storing K and V as bfloat16 costs (measured 0.3-0.36 of it on these short contexts, ~0.1
-    at 2,500 tokens; with the query rounded once ~0.6)."""
+    cache, and a bfloat16 one on a build without AVX512-BF16, is widened and summed in float32
+    (the same to 2e-6). A bfloat16 one on a build with it (bf16_dot()) is summed by vdpbf16ps,
+    the query split into two bfloat16 halves and the softmax's numerators rounded to bfloat16
+    (llama.cpp rounds the query to the cache's type and sums a float16 V in float16): its error
+    against float64 must stay under half of what storing K and V as bfloat16 costs (measured
+    0.3-0.36 of it on these short contexts, ~0.1 at 2,500 tokens; the query rounded once ~0.6)."""
     h, hkv, d = heads
     attn = Attention(gqa_config(h, hkv, d))
     q, k32, v32, table, lens, bs = ragged_case(16, h, hkv, d, torch.float32, seed=h + d)
@@ -114,7 +126,7 @@ def test_float32_queries_read_a_16_bit_cache_in_place(kernel: None, cache_dtype:
     got = paged_decode_attention(q, k_cache, v_cache, table, lens, bs)  # (B, H, D)
     ref = gather_reference(attn, q, k_cache.float(), v_cache.float(), table, lens, bs)
     assert got.dtype == torch.float32 and got.shape == ref.shape
-    if cache_dtype == torch.float16:
+    if cache_dtype == torch.float16 or not bf16_dot():
         assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5), (got - ref).abs().max()
     else:
         exact = gather_reference(attn, q.double(), k_cache.double(), v_cache.double(), table,
