@@ -51,7 +51,7 @@ __all__ = ["FORMATS", "KernelUnavailable", "Packed", "dequantize", "isa", "load"
 
 
 class Packed(NamedTuple):
-    """One weight matrix in the kernel's layout (see csrc/int_dot.cpp). T = ceil(N/8), B = K/32.
+    """One weight matrix in the kernel's layout (csrc/int_dot_formats.h). T = ceil(N/8), B = K/32.
     qs: uint8 (T, B, 128) for Q4_x, int8 (T, B, 256) for q8_x; d, m: float16 (T, B, 8) (d
     (T, B, 16) for q8_16), the blocks' own scales (converted exactly; fp16 streams fewer bytes).
     q4_k / q6_k: d per super-block (T, B/8, 16 / 8), m the blocks' integer scales (T, B, 12 / 16)

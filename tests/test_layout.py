@@ -125,7 +125,9 @@ def test_the_gateway_side_never_imports_torch() -> None:
 
 
 def test_no_source_file_is_over_the_line_limit() -> None:
-    files = [p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")]
+    """Python and the kernels' C++ (engine_worker/csrc/*.cpp, *.h) alike."""
+    files = [p for d in SOURCE_DIRS for pattern in ("*.py", "*.cpp", "*.h")
+             for p in (ROOT / d).rglob(pattern)]
     long = sorted(f"{p.relative_to(ROOT)}: {n}" for p in files
                   if (n := len(p.read_text().splitlines())) > MAX_LINES)
     assert not long, long
