@@ -1,7 +1,7 @@
 """Speculative decoding: decode speed with speculation off, n-gram lookup, and a draft model.
 
     python benchmarks/bench_speculative.py [--model default] [--draft tiny] [--batch 1,16]
-        [--max-tokens 128] [--modes off,ngram,draft] [--rounds 1]
+        [--max-tokens 128] [--modes off,ngram,draft,draft@auto,draft@0.5] [--rounds 1]
 
 Runs the engine in process (no HTTP), greedy, one workload at a time, alternating the modes
 inside each (workload, batch) so a shared machine's drift hits them alike. Workloads:
@@ -12,8 +12,10 @@ inside each (workload, batch) so a shared machine's drift hits them alike. Workl
 Decode speed = output tokens after each request's first / time from the step where every
 request had its first token to the end (prefill excluded); the median over --rounds. Engine
 steps = forward passes of the target in that span: a figure no other load on the machine moves.
-Prints a markdown table with the speed-up over "off" and the acceptance (accepted / proposed
-drafts, mean accepted per verify).
+Prints a markdown table with the speed-up over "off", the draft model's forward passes, and the
+acceptance (accepted / proposed drafts, mean accepted per verify). "draft@C" stops a round's
+drafts where the odds of the next one fall below C, "draft@auto" below the measured price of a
+draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0).
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
@@ -102,6 +104,7 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
     first request's output tokens)."""
     out: list[int] = []
     e = Engine(runner, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, spec=spec)
+    e.probe()  # as a worker does at start: the step costs a draft's price is weighed against
     for i in range(batch):
         # A distinct first token per request keeps the prefix cache from merging them.
         ids = [prompt[0]] + [100 + i] + prompt[1:]
@@ -150,36 +153,52 @@ def main() -> None:
     runner = ModelRunner(cfg)
     modes = args.modes.split(",")
     draft = None
-    if "draft" in modes:
+    passes = [0]
+    if any(mo.startswith("draft") for mo in modes):
         dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
             args.draft, cache, weights=dgguf is None)
         draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf), kv_budget_bytes=128 << 20))
+        execute = draft.execute
+
+        def counted(items):  # the draft model's forward passes: a count no VM noise moves
+            passes[0] += 1
+            return execute(items)
+
+        draft.execute = counted
 
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":
             return None
-        proposer = NgramProposer() if mode == "ngram" else DraftModelProposer(draft)
+        if mode == "ngram":
+            proposer = NgramProposer()
+        else:  # "draft": k drafts a round; "draft@C": stop where the next one's odds < C
+            conf = mode.partition("@")[2] or "0"
+            proposer = DraftModelProposer(draft, min_confidence=None if conf == "auto"
+                                          else float(conf))
         return SpecDecoder(proposer, args.k, max_batch=args.max_batch, min_acceptance=0.3)
 
     # Warm-up: first calls of oneDNN kernels are slow.
     run(runner, make("ngram"), chat_ids(path, "Hi"), 1, 8)
     print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
           f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
-    print("| workload | batch | mode | decode tok/s | vs off | engine steps | accepted/proposed "
-          "| accepted per verify | same text as off |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | batch | mode | decode tok/s | vs off | engine steps | draft passes "
+          "| accepted/proposed | accepted per verify | same text as off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for wl in args.workloads.split(","):
         prompt = chat_ids(path, WORKLOADS[wl])
         for batch in (int(b) for b in args.batch.split(",")):
             speeds: dict[str, list[float]] = {mo: [] for mo in modes}
             stats: dict[str, str] = {}
             steps: dict[str, int] = {}
+            drafted: dict[str, int] = {}
             texts: dict[str, list[int]] = {}
             for _ in range(args.rounds):
                 for mode in modes:
+                    passes[0] = 0
                     tps, steps[mode], spec, texts[mode] = run(runner, make(mode), prompt,
                                                               batch, args.max_tokens)
+                    drafted[mode] = passes[0]
                     speeds[mode].append(tps)
                     if spec is not None:
                         s = spec.stats
@@ -194,7 +213,8 @@ def main() -> None:
                 same = "-" if "off" not in texts else (
                     "yes" if texts[mode] == texts["off"] else "NO")
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
-                      f"{steps[mode]} | {stats.get(mode, '- | -')} | {same} |", flush=True)
+                      f"{steps[mode]} | {drafted[mode]} | {stats.get(mode, '- | -')} | {same} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,10 @@ class WorkerConfig:
                                          "running sequences (a busy batch gains nothing)")
     speculative_min_acceptance: float = setting(0.3, "a sequence whose drafts are accepted less "
                                                 "often than this pauses speculation a while")
+    speculative_draft_confidence: str = setting(
+        "auto", "a draft model stops a round's drafts where the odds it gives the next one fall "
+        "below this (0..1; 0: always --num-speculative-tokens); auto: the measured price of a "
+        "draft, its pass and one more verified row, in target steps")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default, and where the decode "
@@ -197,5 +201,12 @@ class WorkerConfig:
         if self.speculative_max_batch < 1 or not 0 <= self.speculative_min_acceptance < 1:
             raise ValueError("speculative_max_batch must be >= 1 and speculative_min_acceptance "
                              "in [0, 1)")
+        if self.speculative_draft_confidence != "auto":
+            try:
+                ok = 0 <= float(self.speculative_draft_confidence) < 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError("speculative_draft_confidence must be auto or a number in [0, 1)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log_level {self.log_level!r}")

@@ -82,6 +82,7 @@ class Engine:
         self.embeddings = Embeddings(runner, pooling)
         self.sized_steps = prefill_share > 0
         self.spec = spec
+        self._drafting_s = 0.0  # this step's draft proposal, seconds (kept out of its cost)
         self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
@@ -177,6 +178,7 @@ class Engine:
         """One step: the scheduled chunks' tokens, then embedding inputs in the prompt rows
         the step has left; every frame of the step."""
         started = time.perf_counter()
+        self._drafting_s = 0.0
         chunks = self._schedule()
         outputs = self._generate(chunks) if chunks else []
         decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
@@ -199,7 +201,10 @@ class Engine:
                     del self.requests[out.request_id]  # its last input answered
             outputs += vectors
             prefill_rows += rows
-        self.costs.observe(decode_rows, prefill_rows, time.perf_counter() - started)
+        # the draft model's passes are not the target's step: a verification step is measured
+        # as its rows cost, which is what the step sizing and a draft's price weigh
+        self.costs.observe(decode_rows, prefill_rows,
+                           time.perf_counter() - started - self._drafting_s)
         return outputs
 
     def _schedule(self) -> list[ScheduledChunk]:
@@ -208,7 +213,9 @@ class Engine:
                                                             sched.max_num_batched_tokens)
         chunks = sched.schedule(k)
         if chunks and self.spec is not None and k:
-            self.spec.propose(chunks)
+            t0 = time.perf_counter()
+            self.spec.propose(chunks, self.costs.decode_s)
+            self._drafting_s = time.perf_counter() - t0
         return chunks
 
     def _generate(self, chunks: list[ScheduledChunk]) -> list[m.TokenOutput]:

@@ -39,7 +39,9 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
                              f"the served model's ({runner.config.vocab_size})")
         # the served model's EOS ids: min_tokens holds them back in the drafts too, so no draft
         # is spent on an end the target would refuse
-        proposer = DraftModelProposer(draft, Sampler(runner.config.eos_token_ids))
+        conf = cfg.speculative_draft_confidence
+        proposer = DraftModelProposer(draft, Sampler(runner.config.eos_token_ids),
+                                      min_confidence=None if conf == "auto" else float(conf))
     return SpecDecoder(proposer, cfg.num_speculative_tokens,
                        max_batch=cfg.speculative_max_batch,
                        min_acceptance=cfg.speculative_min_acceptance)

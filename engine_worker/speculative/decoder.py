@@ -29,6 +29,7 @@ import torch
 from engine_worker.sampler import Sampler, adjusts_logits, is_greedy
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.acceptance import accept
+from engine_worker.speculative.state import StepSeconds
 from engine_worker.step import SamplerInput, ScheduledChunk
 
 BACKOFF_STEPS = 16  # steps a sequence with failing drafts decodes plainly before probing again
@@ -39,10 +40,11 @@ EMA = 0.3  # weight of the newest step in a sequence's running acceptance rate
 class Proposer(Protocol):
     """Guesses the next tokens of sequences; q is the distribution each guess was drawn from."""
 
-    def propose(self, seqs: list[Sequence], limits: list[int]
+    def propose(self, seqs: list[Sequence], limits: list[int], target_step_s: StepSeconds = None
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
         """Per sequence, at most `limits[i]` drafts and their (n, V) draft probabilities
-        (None: one-hot, i.e. a deterministic guess)."""
+        (None: one-hot, i.e. a deterministic guess). `target_step_s`: the target's measured
+        decode step by rows, for a proposer that weighs what a draft costs."""
         ...
 
     def release(self, seq: Sequence) -> None:
@@ -74,7 +76,7 @@ class SpecDecoder:
             return 0
         return max(0, min(self.k, token_budget // num_running - 1))
 
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
+    def propose(self, chunks: list[ScheduledChunk], target_step_s: StepSeconds = None) -> None:
         todo = []
         for c in chunks:
             if c.max_drafts <= 0:
@@ -85,7 +87,8 @@ class SpecDecoder:
             todo.append(c)
         if not todo:
             return
-        proposals = self.proposer.propose([c.seq for c in todo], [c.max_drafts for c in todo])
+        proposals = self.proposer.propose([c.seq for c in todo], [c.max_drafts for c in todo],
+                                          target_step_s)
         for c, (drafts, q) in zip(todo, proposals, strict=True):
             c.draft_token_ids = list(drafts[: c.max_drafts])
             c.draft_probs = None if q is None or not drafts else q[: len(c.draft_token_ids)]

@@ -7,7 +7,10 @@ Data flow, per step, for the sequences the engine wants drafts for:
     catch up: one batched pass feeding each sequence's tokens the draft has not seen yet (the
           whole prompt the first time, in chunks of CHUNK tokens before that pass, then the last
           one or two committed tokens); its last logits give draft 1
-    then k - 1 batched one-token passes, feeding draft j to get draft j + 1
+    then up to k - 1 batched one-token passes, feeding draft j to get draft j + 1; a sequence
+          stops where the odds of its next draft fall below what a draft costs (`threshold`:
+          its pass and one more verified row, in target steps, measured), so a guess the draft
+          model doubts is not followed by more guesses that would be thrown away with it
 
 Each draft is drawn from the draft's fully processed distribution for that request (the same
 penalties, temperature, top-k/top-p as the target), with the sequence's own generator, and that
@@ -17,6 +20,7 @@ The draft must share the target's tokenizer (same vocabulary size, checked at st
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +29,11 @@ from engine_worker.block_manager import BlockManager
 from engine_worker.model_runner import ModelRunner
 from engine_worker.sampler import Sampler, is_greedy
 from engine_worker.sequence import Sequence
+from engine_worker.speculative.state import StepSeconds
 from engine_worker.step import SamplerInput, StepItem
 
 CHUNK = 512  # the draft's prefill chunk (tokens a pass), as the target's scheduler chunks
+PASS_EMA = 0.2  # weight of the newest one-token pass in the draft's measured pass time
 
 
 @dataclass
@@ -42,9 +48,14 @@ class _DraftState:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None,
+                 min_confidence: float | None = 0.0) -> None:
+        """`min_confidence`: the odds below which a sequence stops drafting this round (0:
+        always k drafts; None: the price of a draft, measured; see `threshold`)."""
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self.min_confidence = min_confidence
+        self.pass_s: float | None = None  # the draft's one-token pass, seconds (EWMA)
         # The draft cache's blocks: the target's allocator, with no prefix cache (a draft's
         # positions past its committed tokens are rewritten at will).
         self.blocks = BlockManager(runner.num_blocks, runner.block_size,
@@ -60,11 +71,28 @@ class DraftModelProposer:
             self.blocks.release(state.block_table)
         seq.spec.proposer = None
 
-    def propose(self, seqs: list[Sequence], limits: list[int]
+    def threshold(self, k: int, target_step_s: StepSeconds) -> float:
+        """The odds a next draft must have to be drafted. After draft j, the odds that draft
+        j + 1 lands are about P(drafts 1..j all accepted) x (draft j's probability), as the
+        draft model gives them; a landed draft saves a target step, and drafting it costs a
+        draft pass and one more verified row. So the price, in target steps: (the draft's pass
+        + a verified row's share of a (k + 1)-row step) / a one-row step, all measured on this
+        host (0 until they are: every draft is drafted)."""
+        if self.min_confidence is not None:
+            return self.min_confidence
+        one = target_step_s(1) if target_step_s is not None else None
+        more = target_step_s(k + 1) if target_step_s is not None else None
+        if self.pass_s is None or not one or more is None:
+            return 0.0
+        return (self.pass_s + max(0.0, more - one) / k) / one
+
+    def propose(self, seqs: list[Sequence], limits: list[int], target_step_s: StepSeconds = None
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
         ks = [self._prepare(seq, k) for seq, k in zip(seqs, limits, strict=True)]
+        stop = self.threshold(max(ks, default=0), target_step_s)
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        trust = [1.0] * len(seqs)
         live = [i for i, k in enumerate(ks) if k > 0]
         for i in live:  # a long catch-up (the prompt, the first time): in chunks first
             self._catch_up(seqs[i])
@@ -74,12 +102,20 @@ class DraftModelProposer:
                 seq, st = seqs[i], seqs[i].spec.proposer
                 items.append(StepItem(seq.token_ids[st.num_computed :], st.num_computed,
                                       st.block_table))
-            self._draw(seqs, live, self.runner.execute(items), drafts, probs)
+            self._draw(seqs, live, self.runner.execute(items), drafts, probs, ks, trust, stop)
         for j in range(1, max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
+            if not live:  # every sequence stopped at a doubted draft
+                break
             items = [StepItem([drafts[i][j - 1]], seqs[i].num_tokens + j - 1,
                               seqs[i].spec.proposer.block_table) for i in live]
-            self._draw(seqs, live, self.runner.execute(items), drafts, probs)
+            t0 = time.perf_counter()
+            logits = self.runner.execute(items)
+            if len(items) == 1:
+                s = time.perf_counter() - t0
+                self.pass_s = s if self.pass_s is None else (1 - PASS_EMA) * self.pass_s \
+                    + PASS_EMA * s
+            self._draw(seqs, live, logits, drafts, probs, ks, trust, stop)
         out: list[tuple[list[int], torch.Tensor | None]] = []
         for i, seq in enumerate(seqs):
             st = seq.spec.proposer
@@ -125,8 +161,10 @@ class DraftModelProposer:
         return k
 
     def _draw(self, seqs: list[Sequence], live: list[int], logits: torch.Tensor,
-              drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-        """Draw the next draft of each live sequence from its processed draft distribution."""
+              drafts: list[list[int]], probs: list[list[torch.Tensor]], ks: list[int],
+              trust: list[float], stop: float) -> None:
+        """Draw the next draft of each live sequence from its processed draft distribution;
+        where the odds of the next one fall below `stop`, its drafts end (ks[i] = so far)."""
         inputs = [SamplerInput(seqs[i].params, seqs[i].output_token_ids + drafts[i],
                                seqs[i].generator, seqs[i].prompt_token_ids) for i in live]
         q = self.sampler.probs(logits, inputs)  # (L, V)
@@ -142,3 +180,16 @@ class DraftModelProposer:
                     q.shape[1] - 1))
             drafts[i].append(tok)
             probs[i].append(q[r])
+            if stop > 0:
+                conf = self._confidence(q[r], logits[r], tok, seq)
+                trust[i] *= conf  # P(drafts 1..j all accepted), as the draft model sees it
+                if trust[i] * conf < stop:  # the next one's odds, taking this one's for it
+                    ks[i] = len(drafts[i])
+
+    @staticmethod
+    def _confidence(q: torch.Tensor, logits: torch.Tensor, tok: int, seq: Sequence) -> float:
+        """The draft model's probability of its draft: q's, or for a greedy request (q one-hot)
+        its softmax at temperature 1."""
+        if not is_greedy(seq.params):
+            return float(q[tok])
+        return float(torch.softmax(logits.float(), -1)[tok])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine_worker.sequence import Sequence
+from engine_worker.speculative.state import StepSeconds
 
 
 class _NgramIndex:
@@ -32,7 +33,7 @@ class NgramProposer:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[Sequence], limits: list[int]
+    def propose(self, seqs: list[Sequence], limits: list[int], target_step_s: StepSeconds = None
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
         return [(self._lookup(seq, k), None) for seq, k in zip(seqs, limits, strict=True)]
 

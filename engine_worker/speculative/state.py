@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+# A target decode step's seconds by its rows, as the engine measures them (StepCosts.decode_s;
+# None before any measurement): what a draft's price is weighed against (draft.py).
+StepSeconds = Callable[[int], float | None] | None
 
 
 @dataclass

@@ -5,6 +5,7 @@ seeds, stops, logprobs, n > 1 and the per-request opt-out keep working."""
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,8 @@ def test_opt_out_and_large_batch_turn_speculation_off(tiny_runner: ModelRunner) 
 class _Wrong:
     """A proposer whose drafts are always wrong (never the greedy token)."""
 
-    def propose(self, seqs: list, limits: list[int]) -> list[tuple[list[int], None]]:
+    def propose(self, seqs: list, limits: list[int], target_step_s: object = None
+                ) -> list[tuple[list[int], None]]:
         return [([0] * k, None) for k in limits]
 
     def release(self, seq: object) -> None:
@@ -246,3 +248,51 @@ def test_draft_prefills_a_long_prompt_in_chunks(tiny_runner: ModelRunner,
     assert run(e, [g]) == run(engine(tiny_runner, None), [g])
     assert max(passes) <= 16 and passes.count(16) >= 5  # 90 tokens: 5 chunks, then the rest
     assert e.stats().spec_accepted_tokens == e.stats().spec_proposed_tokens > 0
+
+
+def test_a_draft_the_model_doubts_ends_its_round_and_the_text_is_unchanged(
+        tiny_runner: ModelRunner, draft_runner: ModelRunner) -> None:
+    """The tiny random draft spreads its odds over 49,152 ids: with a stop at 0.5 every round
+    ends after its first draft (one draft a verification), greedy and sampled, and the greedy
+    text is plain decoding's; with no stop a round drafts k."""
+    gens = [gen("g", repetitive_prompt(5), 24),
+            gen("s", repetitive_prompt(6), 24, temperature=1.0, seed=4)]
+    doubting = engine(tiny_runner, DraftModelProposer(draft_runner, min_confidence=0.5))
+    out = run(doubting, gens)
+    stats = doubting.stats()
+    assert stats.spec_verify_steps > 0
+    assert stats.spec_proposed_tokens == stats.spec_verify_steps
+    assert out[("g", 0)] == run(engine(tiny_runner, None), gens[:1])[("g", 0)]
+    trusting = engine(tiny_runner, DraftModelProposer(draft_runner, min_confidence=0.0))
+    run(trusting, gens)
+    assert trusting.stats().spec_proposed_tokens > 2 * trusting.stats().spec_verify_steps
+
+
+def test_the_automatic_stop_is_the_measured_price_of_a_draft(draft_runner: ModelRunner) -> None:
+    proposer = DraftModelProposer(draft_runner, min_confidence=None)
+    steps = {1: 0.040, 5: 0.060}.get  # a target step by its rows, seconds
+    assert proposer.threshold(4, steps) == 0.0  # the draft's pass not measured yet
+    proposer.pass_s = 0.010
+    assert proposer.threshold(4, None) == 0.0  # nor the target's steps
+    # (the pass + a fifth row's share of a 5-row step) / a one-row step
+    assert proposer.threshold(4, steps) == pytest.approx((0.010 + 0.020 / 4) / 0.040)
+    assert DraftModelProposer(draft_runner, min_confidence=0.3).threshold(4, steps) == 0.3
+
+
+class _Slow(_Wrong):
+    """Wrong drafts that take a while to propose, as a draft model's passes do."""
+
+    def propose(self, seqs: list, limits: list[int], target_step_s: object = None
+                ) -> list[tuple[list[int], None]]:
+        time.sleep(0.1)
+        return super().propose(seqs, limits, target_step_s)
+
+
+def test_a_verification_step_is_measured_without_the_drafting(tiny_runner: ModelRunner) -> None:
+    """The engine's step costs (what step sizing and a draft's price weigh) are the target's:
+    the draft model's passes before the step are not counted in it."""
+    e = engine(tiny_runner, _Slow())
+    run(e, [gen("w", repetitive_prompt(9), 6)])
+    assert e.stats().spec_verify_steps > 0
+    verify = e.costs.decode_s(5)  # 1 + 4 drafts a verification
+    assert verify is not None and verify < 0.1

@@ -20,6 +20,8 @@ from engine_worker.speculative.ngram import NgramProposer
     dict(speculative_method="ngram", num_speculative_tokens=0),
     dict(speculative_method="ngram", speculative_max_batch=0),
     dict(speculative_method="ngram", speculative_min_acceptance=1.0),
+    dict(speculative_method="draft", draft_model="x", speculative_draft_confidence="1.0"),
+    dict(speculative_method="draft", draft_model="x", speculative_draft_confidence="often"),
 ])
 def test_bad_settings_are_refused(kw: dict) -> None:
     with pytest.raises(ValueError):
@@ -34,3 +36,8 @@ def test_build_from_settings(tiny_runner: ModelRunner, tiny_dir: Path) -> None:
     spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(tiny_dir),
                                            kv_cache_mb=8), tiny_runner)
     assert spec is not None and isinstance(spec.proposer, DraftModelProposer)
+    assert spec.proposer.min_confidence is None  # auto: the measured price of a draft
+    spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(tiny_dir),
+                                           kv_cache_mb=8, speculative_draft_confidence="0.5"),
+                              tiny_runner)
+    assert spec is not None and spec.proposer.min_confidence == 0.5
