@@ -1,7 +1,8 @@
 """Speculative decoding end to end: real gateway and workers on loopback, the tiny random Llama,
 the official `openai` client. One worker speculates (n-gram lookup, k = 4), one does not; at
 temperature 0 they must stream the same text, and cancel, n > 1, logprobs and stop strings keep
-working with several tokens per frame."""
+working with several tokens per frame. A third drafts with a model and ends each round at a
+draft it doubts (--speculative-draft-confidence)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,29 @@ def test_cancel_mid_stream_stops_within_one_step(servers) -> None:  # noqa: ANN0
     # One step emits at most the accepted drafts plus one token.
     assert end["tokens_after_cancel"] <= K + 1
     assert end["finish_reasons"] == ["abort"]
+
+
+@pytest.fixture(scope="module")
+def draft_gateway(tiny_model_dir: Path) -> Iterator[GatewayProc]:
+    """A worker drafting with a model (the tiny Llama drafting for itself) whose rounds end
+    where the next draft's odds fall below 0.99: the tiny random model is never that sure."""
+    with GatewayProc("--default-timeout-s", "300") as gw, WorkerProc(
+        tiny_model_dir, gw.engine_address, "--speculative-method", "draft",
+        "--draft-model", str(tiny_model_dir), "--num-speculative-tokens", str(K),
+        "--speculative-min-acceptance", "0", "--speculative-draft-confidence", "0.99",
+    ):
+        gw.wait_ready()
+        yield gw
+
+
+def test_a_doubted_draft_ends_its_round_and_the_text_is_unchanged(
+        servers, draft_gateway: GatewayProc) -> None:  # noqa: ANN001
+    """--speculative-draft-confidence end to end: one draft a verification (the draft model
+    doubts each), and the same streamed text as the worker that does not speculate."""
+    _, _, gw_off = servers
+    on, _ = stream_text(draft_gateway)
+    off, _ = stream_text(gw_off)
+    assert on == off and on
+    verified = settled(draft_gateway, "kestrel_spec_decode_verify_steps_total")
+    assert verified > 0
+    assert settled(draft_gateway, "kestrel_spec_decode_proposed_tokens_total") == verified
