@@ -80,9 +80,10 @@ class DraftModelProposer:
         host (0 until they are: every draft is drafted)."""
         if self.min_confidence is not None:
             return self.min_confidence
-        one = target_step_s(1) if target_step_s is not None else None
-        more = target_step_s(k + 1) if target_step_s is not None else None
-        if self.pass_s is None or not one or more is None:
+        if self.pass_s is None or target_step_s is None or k < 1:
+            return 0.0
+        one, more = target_step_s(1), target_step_s(k + 1)
+        if not one or more is None:
             return 0.0
         return (self.pass_s + max(0.0, more - one) / k) / one
 

@@ -277,6 +277,8 @@ def test_the_automatic_stop_is_the_measured_price_of_a_draft(draft_runner: Model
     # (the pass + a fifth row's share of a 5-row step) / a one-row step
     assert proposer.threshold(4, steps) == pytest.approx((0.010 + 0.020 / 4) / 0.040)
     assert DraftModelProposer(draft_runner, min_confidence=0.3).threshold(4, steps) == 0.3
+    # a step where no sequence may draft (its draft cache full, its context at the end)
+    assert proposer.threshold(0, steps) == 0.0
 
 
 class _Slow(_Wrong):
