@@ -142,6 +142,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=4, help="--speculative-max-batch")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--draft-quantization", default="q4_0",
+                    help="a GGUF draft's blocks re-quantized at load: q4_0 (the worker's auto) "
+                    "or none")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -158,7 +161,8 @@ def main() -> None:
         dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
             args.draft, cache, weights=dgguf is None)
-        draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf), kv_budget_bytes=128 << 20))
+        draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf, args.draft_quantization),
+                                    kv_budget_bytes=128 << 20))
         execute = draft.execute
 
         def counted(items):  # the draft model's forward passes: a count no VM noise moves
@@ -181,6 +185,7 @@ def main() -> None:
     # Warm-up: first calls of oneDNN kernels are slow.
     run(runner, make("ngram"), chat_ids(path, "Hi"), 1, 8)
     print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
+          f"draft {args.draft} ({args.draft_quantization}), "
           f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
     print("| workload | batch | mode | decode tok/s | vs off | engine steps | draft passes "
           "| accepted/proposed | accepted per verify | same text as off |")

@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+DRAFT_QUANTIZATIONS = ("auto", "none", "q4_0")  # model/requantize.py's formats, auto, none
 PAGED_ATTENTION_MODES = ("auto", "gather")
 # The KV cache's element type (vLLM's --kv-cache-dtype names); auto: bfloat16 on a CPU, the
 # activations' 16-bit dtype on a GPU (engine_worker/runner_config.py resolve_kv_dtype).
@@ -145,6 +146,10 @@ class WorkerConfig:
         "auto", "a draft model stops a round's drafts where the odds it gives the next one fall "
         "below this (0..1; 0: always --num-speculative-tokens); auto: the measured price of a "
         "draft, its pass and one more verified row, in target steps")
+    speculative_draft_quantization: str = setting(
+        "auto", "a GGUF draft model's wider blocks re-quantized at load, so each draft reads "
+        "fewer bytes (the output is the served model's either way): q4_0, none (its own "
+        "blocks); auto: q4_0")
     heartbeat_s: float = setting(0.25, "seconds between heartbeats to the gateway")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish")
     threads: int = setting(0, "torch CPU threads (0: torch's default, and where the decode "
@@ -169,6 +174,7 @@ class WorkerConfig:
                              "decode_stack": DECODE_STACK_MODES, "compile": COMPILE_MODES,
                              "quant_group_size": QUANT_GROUP_SIZES,
                              "speculative_method": SPECULATIVE_METHODS, "pooling": POOLINGS,
+                             "speculative_draft_quantization": DRAFT_QUANTIZATIONS,
                              "kv_cache_dtype": KV_CACHE_DTYPES})
         if self.kv_cache_mb < 0:
             raise ValueError("kv_cache_mb must be >= 0 (0: sized from the memory available)")

@@ -57,6 +57,8 @@ class RunnerConfig:
     # activations are float32 and `quantization` must be none.
     gguf_path: Path | None = None
     quantization: str = "none"  # weight-only: none | int8 | int4 (engine_worker/model/quant.py)
+    # a GGUF's wider blocks re-quantized at load (a draft model's; model/requantize.py)
+    requantize: str = "none"
     group_size: int = 32  # INT4 group size
     # From this many rows GGUF-native layers (and INT4's head) compute with a bfloat16 copy;
     # 0: none; AUTO: measured on this host for GGUF, native bfloat16 decides otherwise.
@@ -143,12 +145,14 @@ class RunnerConfig:
         settings.setdefault("cache_dir", str(cache_dir_from_env()))
         return cls.from_worker(WorkerConfig(model=str(model), **settings))  # type: ignore[arg-type]
 
-    def for_draft(self, checkpoint: Path, gguf_path: Path | None = None) -> RunnerConfig:
+    def for_draft(self, checkpoint: Path, gguf_path: Path | None = None,
+                  requantize: str = "none") -> RunnerConfig:
         """A speculative draft model's runner beside this one: the same device, its share of
         the KV budget (from_worker splits --kv-cache-memory between the two), block size,
         attention path and cache dir; its own checkpoint (a GGUF served from its own blocks,
-        float32 activations), eager, at its own context."""
+        `requantize`d where wider, float32 activations), eager, at its own context."""
         return replace(self, model_path=Path(checkpoint), gguf_path=gguf_path,
+                       requantize=requantize if gguf_path is not None else "none",
                        kv_budget_bytes=self.draft_kv_budget_bytes or self.kv_budget_bytes,
                        draft_kv_budget_bytes=None,
                        dtype="float32" if gguf_path is not None else self.dtype,

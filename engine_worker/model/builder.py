@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant import QuantReport, quantize_model, weight_bytes
 from engine_worker.model.quant_group import load_group_gemv
+from engine_worker.model.requantize import format_of
 from engine_worker.model.weights import load_model
 from engine_worker.path_choice import PathChoice, choose_paths, native_bf16
 from engine_worker.runner_config import AUTO, RunnerConfig
@@ -84,7 +86,7 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int,
     if cfg.gguf_path is not None:
         plan, paths = gguf_plan(cfg, model_cfg, native_q8, paged)
         model = load_gguf_model(cfg.gguf_path, model_cfg, device, plan=plan,
-                                max_positions=max_positions,
+                                max_positions=max_positions, requantize=cfg.requantize,
                                 blocks=BlockCache.beside(cfg.gguf_path, Path(cfg.model_path)))
         forget_tensors()  # the file's map: nothing reads it after the load
         size = weight_bytes(model)
@@ -103,17 +105,24 @@ def gguf_plan(cfg: RunnerConfig, model_cfg: ModelConfig, native_q8: bool, paged:
     assert cfg.gguf_path is not None
     on_cpu = cfg.device == "cpu"
     table = tensors(cfg.gguf_path)
-    layer_kinds = tuple(sorted({kernel_format(t) for name, t in table.items()
+
+    def served(t: Any) -> str:  # a tensor's format as the layers get it
+        return format_of(kernel_format(t), cfg.requantize)
+
+    layer_kinds = tuple(sorted({served(t) for name, t in table.items()
                                 if name.startswith("blk.") and name.endswith(".weight")
                                 and t.shape.size == 2}))
     head = table.get("output.weight", table["token_embd.weight"])
     plan = MatmulPlan(device=cfg.device, use_kernel=on_cpu, native_q8=native_q8,
-                      kinds=layer_kinds, head_kind=kernel_format(head))
+                      kinds=layer_kinds, head_kind=served(head))
     paths = None
     # K-quant and Q5 files: the integer-dot kernel serves every matmul at every row count
-    # (torch has no packed kernel for them; a float copy would be 4-7x the file's size)
-    if on_cpu and not legacy_only(cfg.gguf_path) and _int_dot_isa(cfg.cache_dir):
-        plan = replace(plan, int_dot_all=True, origin="the file's types")
+    # (torch has no packed kernel for them; a float copy would be 4-7x the file's size); a
+    # re-quantized draft too (the path choice would time the file's types, not the served)
+    legacy = legacy_only(cfg.gguf_path) and cfg.requantize == "none"
+    if on_cpu and not legacy and _int_dot_isa(cfg.cache_dir):
+        plan = replace(plan, int_dot_all=True, origin="the file's types" if cfg.requantize
+                       == "none" else f"the file's types, re-quantized to {cfg.requantize}")
     elif cfg.dense_min_rows == AUTO and on_cpu:  # measured on this host
         paths = choose_paths(cfg.gguf_path, cfg.cache_dir, num_layers=model_cfg.num_layers,
                              native_q8=native_q8, int_dot_isa=_int_dot_isa(cfg.cache_dir))

@@ -48,6 +48,7 @@ from engine_worker.model.linear_factory import from_blocks
 from engine_worker.model.llama import LlamaForCausalLM
 from engine_worker.model.matmul_plan import MatmulPlan
 from engine_worker.model.quant_group import Int8GroupEmbedding
+from engine_worker.model.requantize import requantized
 
 log = logging.getLogger("kestrel.gguf")
 
@@ -159,13 +160,20 @@ def check_shapes(tensors: dict[str, Any], cfg: ModelConfig) -> None:
 def load_gguf_model(
     gguf_path: Path, cfg: ModelConfig, device: str | torch.device, *,
     plan: MatmulPlan | None = None, max_positions: int | None = None,
-    blocks: BlockCache | None = None,
+    blocks: BlockCache | None = None, requantize: str = "none",
 ) -> LlamaForCausalLM:
     """Our model over the GGUF's own blocks (see the module docstring), each matmul as `plan`
     routes it (default: torch's packed kernels in bfloat16 on CPU, nothing in front or behind);
     activations float32. The plan's kernels are loaded by the caller (model/builder.py).
-    `blocks`: where rewritten blocks are kept between starts (model/block_cache.py)."""
-    read = read_tensor if blocks is None else blocks.read
+    `blocks`: where rewritten blocks are kept between starts (model/block_cache.py).
+    `requantize`: a narrower format for the matrices stored wider (a draft model's; see
+    model/requantize.py; "none": the file's own blocks)."""
+    stored = read_tensor if blocks is None else blocks.read
+
+    def read(t: Any) -> Blocks:
+        return stored(t) if requantize == "none" else requantized(stored(t), requantize)
+
+    served = "" if requantize == "none" else f"@{requantize}"  # its packed layers' cache key
     device = torch.device(device)
     plan = MatmulPlan(device=device.type) if plan is None else plan
     t0 = time.monotonic()
@@ -177,7 +185,7 @@ def load_gguf_model(
     def mk(b: Blocks, bias: torch.Tensor | None = None, head: bool = False,
            key: str = "") -> nn.Module:
         pack = None if blocks is None or device.type != "cpu" else (
-            lambda b: blocks.packed(key, b.fmt, lambda: b.raw, b.n, b.k))
+            lambda b: blocks.packed(key + served, b.fmt, lambda: b.raw, b.n, b.k))
         return from_blocks(b, plan, device, head, bias, pack)
 
     floats: dict[str, torch.Tensor] = {}
@@ -192,7 +200,8 @@ def load_gguf_model(
             log.info("gguf-native weights: layer %d/%d (%.1f s)", i + 1, cfg.num_layers,
                      time.monotonic() - t0)
     floats["model.norm.weight"] = _float(tensors["output_norm.weight"])
-    embed = read(tensors["token_embd.weight"])
+    # the embedding table is read a row a token: re-quantized only where it is the head too
+    embed = (stored if "output.weight" in tensors else read)(tensors["token_embd.weight"])
     head = read(tensors["output.weight"]) if "output.weight" in tensors else None
     model.rope_cos = model.rope_sin = None
     if head is None and embed.kind == "int8" and not plan.int_dot_all:

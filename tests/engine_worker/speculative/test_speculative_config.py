@@ -22,6 +22,7 @@ from engine_worker.speculative.ngram import NgramProposer
     dict(speculative_method="ngram", speculative_min_acceptance=1.0),
     dict(speculative_method="draft", draft_model="x", speculative_draft_confidence="1.0"),
     dict(speculative_method="draft", draft_model="x", speculative_draft_confidence="often"),
+    dict(speculative_method="draft", draft_model="x", speculative_draft_quantization="q2_k"),
 ])
 def test_bad_settings_are_refused(kw: dict) -> None:
     with pytest.raises(ValueError):
@@ -41,3 +42,33 @@ def test_build_from_settings(tiny_runner: ModelRunner, tiny_dir: Path) -> None:
                                            kv_cache_mb=8, speculative_draft_confidence="0.5"),
                               tiny_runner)
     assert spec is not None and spec.proposer.min_confidence == 0.5
+
+
+def test_a_gguf_draft_is_requantized_by_default(tiny_runner: ModelRunner, tmp_path: Path,
+                                                 tiny_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: a GGUF draft's Q8_0 matrices served as Q4_0; none: its own blocks; a folder's
+    float weights are not a GGUF's blocks and stay as they are."""
+    import gguf
+
+    from engine_worker.model import loader
+    from tests.engine_worker.gguf_factory import write_gguf
+
+    c = loader.load_config(tiny_dir)
+    path = write_gguf(tiny_dir, tmp_path / "draft.gguf", gguf.GGMLQuantizationType.Q8_0,
+                      gguf.GGMLQuantizationType.Q8_0, c.num_heads, c.num_kv_heads)
+    # the test file holds tensors only: its config and tokenizer are the tiny folder's
+    real = loader.resolve_checkpoint
+    monkeypatch.setattr(loader, "resolve_checkpoint", lambda model, *a, **k: tiny_dir
+                        if model == str(path) else real(model, *a, **k))
+    kinds = {}
+    for rq in ("auto", "none"):
+        spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(path),
+                                               kv_cache_mb=8, speculative_draft_quantization=rq),
+                                  tiny_runner)
+        assert spec is not None and isinstance(spec.proposer, DraftModelProposer)
+        kinds[rq] = (spec.proposer.runner.plan.kinds, spec.proposer.runner.plan.head_kind)
+    assert kinds == {"auto": (("q4_0",), "q4_0"), "none": (("q8_0",), "q8_0")}
+    spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(tiny_dir),
+                                           kv_cache_mb=8), tiny_runner)
+    assert spec is not None and spec.proposer.runner.runner_config.requantize == "none"
