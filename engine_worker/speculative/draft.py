@@ -103,20 +103,14 @@ class DraftModelProposer:
                 seq, st = seqs[i], seqs[i].spec.proposer
                 items.append(StepItem(seq.token_ids[st.num_computed :], st.num_computed,
                                       st.block_table))
-            self._draw(seqs, live, self.runner.execute(items), drafts, probs, ks, trust, stop)
+            self._draw(seqs, live, self._execute(items), drafts, probs, ks, trust, stop)
         for j in range(1, max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
             if not live:  # every sequence stopped at a doubted draft
                 break
             items = [StepItem([drafts[i][j - 1]], seqs[i].num_tokens + j - 1,
                               seqs[i].spec.proposer.block_table) for i in live]
-            t0 = time.perf_counter()
-            logits = self.runner.execute(items)
-            if len(items) == 1:
-                s = time.perf_counter() - t0
-                self.pass_s = s if self.pass_s is None else (1 - PASS_EMA) * self.pass_s \
-                    + PASS_EMA * s
-            self._draw(seqs, live, logits, drafts, probs, ks, trust, stop)
+            self._draw(seqs, live, self._execute(items), drafts, probs, ks, trust, stop)
         out: list[tuple[list[int], torch.Tensor | None]] = []
         for i, seq in enumerate(seqs):
             st = seq.spec.proposer
@@ -127,6 +121,18 @@ class DraftModelProposer:
                 st.num_computed = seq.num_tokens + ks[i] - 1
             out.append((drafts[i], torch.stack(probs[i]) if probs[i] else None))
         return out
+
+    def _execute(self, items: list[StepItem]) -> torch.Tensor:
+        """The draft's pass over `items`; a one-sequence pass of one or two tokens (a round's
+        first, the last committed tokens, or a draft) is timed into `pass_s`: every round has
+        one, so the price stays measured even while rounds stop at their first draft."""
+        t0 = time.perf_counter()
+        logits = self.runner.execute(items)
+        if len(items) == 1 and len(items[0].token_ids) <= 2:
+            s = time.perf_counter() - t0
+            self.pass_s = s if self.pass_s is None else (1 - PASS_EMA) * self.pass_s \
+                + PASS_EMA * s
+        return logits
 
     def _catch_up(self, seq: Sequence) -> None:
         """Feed all but the last CHUNK unseen tokens of `seq` in chunks of CHUNK (chunked

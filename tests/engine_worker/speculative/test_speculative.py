@@ -281,6 +281,18 @@ def test_the_automatic_stop_is_the_measured_price_of_a_draft(draft_runner: Model
     assert proposer.threshold(0, steps) == 0.0
 
 
+def test_the_price_stays_measured_while_rounds_stop_at_their_first_draft(
+        tiny_runner: ModelRunner, draft_runner: ModelRunner) -> None:
+    """A round's first pass is timed too: were only the later passes, a stop that ends every
+    round at its first draft (a slow spell of the host read as a dear draft) would freeze the
+    price it was computed from, and drafting would never resume."""
+    proposer = DraftModelProposer(draft_runner, min_confidence=0.99)  # one draft a round
+    e = engine(tiny_runner, proposer)
+    run(e, [gen("g", repetitive_prompt(5), 12)])
+    assert e.stats().spec_proposed_tokens == e.stats().spec_verify_steps > 0
+    assert proposer.pass_s is not None and proposer.pass_s > 0
+
+
 class _Slow(_Wrong):
     """Wrong drafts that take a while to propose, as a draft model's passes do."""
 
