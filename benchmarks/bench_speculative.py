@@ -15,7 +15,9 @@ steps = forward passes of the target in that span: a figure no other load on the
 Prints a markdown table with the speed-up over "off", the draft model's forward passes, and the
 acceptance (accepted / proposed drafts, mean accepted per verify). "draft@C" stops a round's
 drafts where the odds of the next one fall below C, "draft@auto" below the measured price of a
-draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0).
+draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0);
+"draft@auto:none" takes the draft as --draft-quantization none loads it (its file's own blocks;
+the default, q4_0, is the worker's).
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
@@ -144,7 +146,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--draft-quantization", default="q4_0",
                     help="a GGUF draft's blocks re-quantized at load: q4_0 (the worker's auto) "
-                    "or none")
+                    "or none; several (q4_0,none): a mode 'draft@auto:none' names one")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -155,30 +157,36 @@ def main() -> None:
     cfg = RunnerConfig.from_settings(args.model, kv_cache_mb=256, cache_dir=str(cache))
     runner = ModelRunner(cfg)
     modes = args.modes.split(",")
-    draft = None
     passes = [0]
+
+    def counted(execute):  # the draft model's forward passes: a count no VM noise moves
+        def run(items, **kw):
+            passes[0] += 1
+            return execute(items, **kw)
+        return run
+
+    drafts: dict[str, ModelRunner] = {}  # by --draft-quantization
     if any(mo.startswith("draft") for mo in modes):
         dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
             args.draft, cache, weights=dgguf is None)
-        draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf, args.draft_quantization),
-                                    kv_budget_bytes=128 << 20))
-        execute = draft.execute
-
-        def counted(items):  # the draft model's forward passes: a count no VM noise moves
-            passes[0] += 1
-            return execute(items)
-
-        draft.execute = counted
+        for rq in args.draft_quantization.split(","):
+            draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf, rq),
+                                        kv_budget_bytes=128 << 20))
+            draft.execute = counted(draft.execute)
+            drafts[rq] = draft
 
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":
             return None
         if mode == "ngram":
             proposer = NgramProposer()
-        else:  # "draft": k drafts a round; "draft@C": stop where the next one's odds < C
+        else:  # "draft": k drafts a round; "draft@C": stop where the next one's odds < C;
+            # "...:Q": the draft re-quantized to Q (default: the first --draft-quantization)
+            mode, _, rq = mode.partition(":")
             conf = mode.partition("@")[2] or "0"
-            proposer = DraftModelProposer(draft, min_confidence=None if conf == "auto"
+            proposer = DraftModelProposer(drafts[rq or next(iter(drafts))],
+                                          min_confidence=None if conf == "auto"
                                           else float(conf))
         return SpecDecoder(proposer, args.k, max_batch=args.max_batch, min_acceptance=0.3)
 
