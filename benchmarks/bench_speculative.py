@@ -10,7 +10,9 @@ inside each (workload, batch) so a shared machine's drift hits them alike. Workl
   write    code writing: a function from a one-line description, nothing to copy from
   chat     plain chat: an open question, nothing to copy from
 Decode speed = output tokens after each request's first / time from the step where every
-request had its first token to the end (prefill excluded); the median over --rounds. Engine
+request had its first token to the end (prefill excluded; a draft model's pass over the prompt,
+in the first decode step, included); "after the first step": the same from the end of the first
+decode step (the steady state a long answer approaches); the medians over --rounds. Engine
 steps = forward passes of the target in that span: a figure no other load on the machine moves.
 Prints a markdown table with the speed-up over "off", the draft model's forward passes, and the
 acceptance (accepted / proposed drafts, mean accepted per verify). "draft@C" stops a round's
@@ -101,9 +103,9 @@ def chat_ids(path: Path, text: str) -> list[int]:
 
 
 def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch: int,
-        max_tokens: int) -> tuple[float, int, SpecDecoder | None, list[int]]:
+        max_tokens: int) -> tuple[float, int, SpecDecoder | None, list[int], float]:
     """(decode tok/s, engine steps after every request's first token, the spec decoder, the
-    first request's output tokens)."""
+    first request's output tokens, tok/s after the first decode step)."""
     out: list[int] = []
     e = Engine(runner, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, spec=spec)
     e.probe()  # as a worker does at start: the step costs a draft's price is weighed against
@@ -113,13 +115,18 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
         e.add(m.Generate(f"r{i}", ids, m.SamplingParams(max_tokens=max_tokens,
                                                         temperature=0.0, ignore_eos=True)))
     started: set[str] = set()
-    t_first = None
-    tokens_after = 0
+    t_first = t_second = None
+    tokens_after = tokens_second = 0
     steps = 0
     while e.has_work:
         if t_first is not None:
             steps += 1
-        for o in e.step():
+        outs = e.step()
+        if t_second is not None:
+            tokens_second += sum(len(o.token_ids) for o in outs)
+        elif steps:  # the first decode step: a draft model's pass over the prompt is in it
+            t_second = time.perf_counter()
+        for o in outs:
             if o.request_id == "r0":
                 out += o.token_ids
             if o.request_id in started:
@@ -129,8 +136,10 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
                 tokens_after += len(o.token_ids) - 1
         if t_first is None and len(started) == batch:
             t_first = time.perf_counter()
-    assert t_first is not None
-    return tokens_after / (time.perf_counter() - t_first), steps, spec, out
+    assert t_first is not None and t_second is not None
+    end = time.perf_counter()
+    return (tokens_after / (end - t_first), steps, spec, out,
+            tokens_second / (end - t_second))
 
 
 def main() -> None:
@@ -195,13 +204,15 @@ def main() -> None:
     print(f"model {path.name}, k={args.k}, speculative max batch {args.max_batch}, greedy, "
           f"draft {args.draft} ({args.draft_quantization}), "
           f"{args.max_tokens} new tokens, torch threads {torch.get_num_threads()}\n")
-    print("| workload | batch | mode | decode tok/s | vs off | engine steps | draft passes "
-          "| accepted/proposed | accepted per verify | same text as off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | batch | mode | decode tok/s | vs off | after the first step | vs off "
+          "| engine steps | draft passes | accepted/proposed | accepted per verify "
+          "| same text as off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for wl in args.workloads.split(","):
         prompt = chat_ids(path, WORKLOADS[wl])
         for batch in (int(b) for b in args.batch.split(",")):
             speeds: dict[str, list[float]] = {mo: [] for mo in modes}
+            steady: dict[str, list[float]] = {mo: [] for mo in modes}
             stats: dict[str, str] = {}
             steps: dict[str, int] = {}
             drafted: dict[str, int] = {}
@@ -209,10 +220,11 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in modes:
                     passes[0] = 0
-                    tps, steps[mode], spec, texts[mode] = run(runner, make(mode), prompt,
-                                                              batch, args.max_tokens)
+                    tps, steps[mode], spec, texts[mode], later = run(
+                        runner, make(mode), prompt, batch, args.max_tokens)
                     drafted[mode] = passes[0]
                     speeds[mode].append(tps)
+                    steady[mode].append(later)
                     if spec is not None:
                         s = spec.stats
                         rate = s.accepted / s.proposed if s.proposed else 0.0
@@ -220,14 +232,16 @@ def main() -> None:
                         stats[mode] = f"{s.accepted}/{s.proposed} ({rate:.0%}) | {per:.2f}"
             # Medians: on a shared machine one slow round should not decide a row.
             base = statistics.median(speeds["off"]) if "off" in speeds else None
+            base2 = statistics.median(steady["off"]) if "off" in steady else None
             for mode in modes:
-                tps = statistics.median(speeds[mode])
+                tps, later = statistics.median(speeds[mode]), statistics.median(steady[mode])
                 ratio = f"{tps / base:.2f}x" if base else "-"
+                ratio2 = f"{later / base2:.2f}x" if base2 else "-"
                 same = "-" if "off" not in texts else (
                     "yes" if texts[mode] == texts["off"] else "NO")
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
-                      f"{steps[mode]} | {drafted[mode]} | {stats.get(mode, '- | -')} | {same} |",
-                      flush=True)
+                      f"{later:.1f} | {ratio2} | {steps[mode]} | {drafted[mode]} | "
+                      f"{stats.get(mode, '- | -')} | {same} |", flush=True)
 
 
 if __name__ == "__main__":
