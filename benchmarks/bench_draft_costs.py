@@ -1,6 +1,7 @@
 """What a draft-model round costs, in process: a decode step, and the matmuls at k + 1 rows.
 
     python benchmarks/bench_draft_costs.py --gguf FILE [--rows 1,2,3,4,5] [--passes 15]
+        [--requantize q4_0]   (the file's blocks as a draft is served: see requantize.py)
 
 Data flow: the model as a worker serves it (RunnerConfig defaults, its matmul plan) -> a
 32-token prompt, then one-token decode steps through ModelRunner.execute (the C++ decode stack,
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,8 +51,11 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--rows", default="1,2,3,4,5")
     ap.add_argument("--passes", type=int, default=15)
+    ap.add_argument("--requantize", default="none",
+                    help="q4_0: the file's wider blocks re-quantized, as a draft is served")
     args = ap.parse_args()
-    runner = ModelRunner(RunnerConfig.from_settings(args.gguf, kv_cache_mb=256))
+    runner = ModelRunner(replace(RunnerConfig.from_settings(args.gguf, kv_cache_mb=256),
+                                 requantize=args.requantize))
     blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     table: list[int] = []
     blocks.extend(table, 32 + 3 + args.passes + 1)
@@ -62,7 +67,8 @@ def main() -> None:
         pos[0] += 1
 
     med, low = timed(step, args.passes)
-    print(f"{Path(args.gguf).name}: a one-row decode step (runner.execute) {med:.2f} ms "
+    print(f"{Path(args.gguf).name} ({args.requantize}, {runner.decode_read_bytes / 1e6:.1f} MB "
+          f"a token): a one-row decode step (runner.execute) {med:.2f} ms "
           f"(min {low:.2f}), torch threads {torch.get_num_threads()}, int_dot {int_dot.isa()}")
     model = runner.model
     layers = [m.packed for m in model.model.layers.modules() if isinstance(m, IntDotLinear)]
