@@ -94,8 +94,15 @@ def served_state(state: dict[str, np.ndarray],
 
 
 def write_gguf(folder: Path, out: Path, layer_type: gguf.GGMLQuantizationType,
-               embed_type: gguf.GGMLQuantizationType, heads: int, kv_heads: int) -> Path:
-    """folder's model.safetensors -> out (a GGUF with only tensors and the architecture)."""
+               embed_type: gguf.GGMLQuantizationType, heads: int | None = None,
+               kv_heads: int | None = None) -> Path:
+    """folder's model.safetensors -> out (a GGUF with only tensors and the architecture);
+    heads and kv_heads: the folder's config's unless given."""
+    if heads is None or kv_heads is None:
+        from engine_worker.model.loader import load_config
+
+        cfg = load_config(folder)
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
     state = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), "llama")
     for name, t in state.items():

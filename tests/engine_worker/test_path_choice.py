@@ -13,7 +13,6 @@ import torch
 
 from engine_worker import path_choice
 from engine_worker.model.int_dot_linear import IntDotLinear
-from engine_worker.model.loader import load_config
 from engine_worker.model.matmul_plan import ALL, Route
 from engine_worker.model_runner import ModelRunner
 from engine_worker.path_choice import choose_paths, decide, native_bf16
@@ -77,9 +76,7 @@ def test_bfloat16_is_native_only_with_its_instructions_and_no_cap(
 
 @pytest.fixture(scope="module")
 def tiny_q4(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = load_config(tiny_dir)
-    return write_gguf(tiny_dir, tmp_path_factory.mktemp("paths") / "tiny.gguf", Q.Q4_1, Q.Q8_0,
-                      cfg.num_heads, cfg.num_kv_heads)
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("paths") / "tiny.gguf", Q.Q4_1, Q.Q8_0)
 
 
 def test_choice_is_measured_until_two_starts_agree_then_read_from_the_cache_dir(

@@ -15,7 +15,6 @@ from engine_worker.model import builder
 from engine_worker.model.int4 import Int4GroupLinear
 from engine_worker.model.int_dot_linear import IntDotLinear
 from engine_worker.model.layers import RMSNorm
-from engine_worker.model.loader import load_config
 from engine_worker.model.matmul_plan import MatmulPlan, describe_routes
 from engine_worker.model.quant_group import Int8GroupLinear
 from engine_worker.model_runner import ModelRunner
@@ -60,9 +59,7 @@ def test_each_kind_routes_its_rows_as_the_plan_says() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_q4(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = load_config(tiny_dir)
-    return write_gguf(tiny_dir, tmp_path_factory.mktemp("plan") / "tiny.gguf", Q.Q4_1, Q.Q8_0,
-                      cfg.num_heads, cfg.num_kv_heads)
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("plan") / "tiny.gguf", Q.Q4_1, Q.Q8_0)
 
 
 @pytest.fixture(scope="module")

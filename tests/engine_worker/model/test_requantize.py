@@ -49,9 +49,7 @@ def test_only_wider_formats_are_requantized() -> None:
 
 @pytest.fixture(scope="module")
 def q8_file(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = load_config(tiny_dir)
-    return write_gguf(tiny_dir, tmp_path_factory.mktemp("rq") / "q8.gguf", Q.Q8_0, Q.Q8_0,
-                      cfg.num_heads, cfg.num_kv_heads)
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("rq") / "q8.gguf", Q.Q8_0, Q.Q8_0)
 
 
 def test_a_requantized_file_serves_what_llamacpp_requantized_serves(
@@ -79,7 +77,7 @@ def test_a_requantized_runner_reads_fewer_bytes_a_token(
     """Q5_0 layers and a tied Q8_0 head (as the 0.5B Qwen's): every matrix Q4_0 in the plan,
     and the bytes a token reads those of Q4_0's blocks."""
     c = load_config(tiny_dir)
-    q5 = write_gguf(tiny_dir, tmp_path / "q5.gguf", Q.Q5_0, Q.Q8_0, c.num_heads, c.num_kv_heads)
+    q5 = write_gguf(tiny_dir, tmp_path / "q5.gguf", Q.Q5_0, Q.Q8_0)
     cfg = RunnerConfig(tiny_dir, gguf_path=q5, kv_budget_bytes=1 << 22)
     own, small = ModelRunner(cfg), ModelRunner(cfg.for_draft(tiny_dir, q5, "q4_0"))
     assert own.plan.kinds == ("q5_0",) and own.plan.head_kind == "q8_0"

@@ -54,9 +54,8 @@ def test_a_gguf_draft_is_requantized_by_default(tiny_runner: ModelRunner, tmp_pa
     from engine_worker.model import loader
     from tests.engine_worker.gguf_factory import write_gguf
 
-    c = loader.load_config(tiny_dir)
     path = write_gguf(tiny_dir, tmp_path / "draft.gguf", gguf.GGMLQuantizationType.Q8_0,
-                      gguf.GGMLQuantizationType.Q8_0, c.num_heads, c.num_kv_heads)
+                      gguf.GGMLQuantizationType.Q8_0)
     # the test file holds tensors only: its config and tokenizer are the tiny folder's
     real = loader.resolve_checkpoint
     monkeypatch.setattr(loader, "resolve_checkpoint", lambda model, *a, **k: tiny_dir
