@@ -13,12 +13,15 @@ pass then reads 278 MB, not 392 (its Q5_0 layers and Q8_0 head), and takes ~11 m
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from engine_worker.config import WorkerConfig
 from engine_worker.model_runner import ModelRunner
 from engine_worker.speculative.decoder import Proposer, SpecDecoder
 from engine_worker.speculative.ngram import NgramProposer
+
+log = logging.getLogger("kestrel.speculative")
 
 
 def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | None:
@@ -39,6 +42,8 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
         rq = cfg.speculative_draft_quantization
         draft = ModelRunner(runner.runner_config.for_draft(
             checkpoint, gguf, requantize="q4_0" if rq == "auto" else rq))
+        log.info("draft model %s: %s, %.1f MB of weights a token", Path(cfg.draft_model).name,
+                 draft.plan.describe(), draft.decode_read_bytes / 1e6)
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
                              f"the served model's ({runner.config.vocab_size})")

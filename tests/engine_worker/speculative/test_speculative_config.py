@@ -46,9 +46,10 @@ def test_build_from_settings(tiny_runner: ModelRunner, tiny_dir: Path) -> None:
 
 def test_a_gguf_draft_is_requantized_by_default(tiny_runner: ModelRunner, tmp_path: Path,
                                                  tiny_dir: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: a GGUF draft's Q8_0 matrices served as Q4_0; none: its own blocks; a folder's
-    float weights are not a GGUF's blocks and stay as they are."""
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """auto: a GGUF draft's Q8_0 matrices served as Q4_0, and the start log says so; none: its
+    own blocks; a folder's float weights are not a GGUF's blocks and stay as they are."""
     import gguf
 
     from engine_worker.model import loader
@@ -60,6 +61,7 @@ def test_a_gguf_draft_is_requantized_by_default(tiny_runner: ModelRunner, tmp_pa
     real = loader.resolve_checkpoint
     monkeypatch.setattr(loader, "resolve_checkpoint", lambda model, *a, **k: tiny_dir
                         if model == str(path) else real(model, *a, **k))
+    caplog.set_level("INFO", logger="kestrel.speculative")
     kinds = {}
     for rq in ("auto", "none"):
         spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(path),
@@ -68,6 +70,9 @@ def test_a_gguf_draft_is_requantized_by_default(tiny_runner: ModelRunner, tmp_pa
         assert spec is not None and isinstance(spec.proposer, DraftModelProposer)
         kinds[rq] = (spec.proposer.runner.plan.kinds, spec.proposer.runner.plan.head_kind)
     assert kinds == {"auto": (("q4_0",), "q4_0"), "none": (("q8_0",), "q8_0")}
+    said = [r.getMessage() for r in caplog.records if r.name == "kestrel.speculative"]
+    assert any("draft model draft.gguf: matmul plan: q4_0: int_dot" in m and
+               "re-quantized to q4_0" in m and "MB of weights a token" in m for m in said), said
     spec = build_spec_decoder(WorkerConfig(speculative_method="draft", draft_model=str(tiny_dir),
                                            kv_cache_mb=8), tiny_runner)
     assert spec is not None and spec.proposer.runner.runner_config.requantize == "none"
