@@ -156,14 +156,17 @@ def main() -> None:
     ap.add_argument("--draft-quantization", default="q4_0",
                     help="a GGUF draft's blocks re-quantized at load: q4_0 (the worker's auto) "
                     "or none; several (q4_0,none): a mode 'draft@auto:none' names one")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the worker's --threads: a fixed count (0: chosen while serving, the "
+                    "worker's default, whose probes run some steps at fewer threads)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = cache_dir_from_env()
     path = resolve_checkpoint(args.model, cache, weights=gguf_source(args.model) is None)
     # the target as a worker serves it by default (a GGUF from its own blocks)
-    cfg = RunnerConfig.from_settings(args.model, kv_cache_mb=256, cache_dir=str(cache))
+    cfg = RunnerConfig.from_settings(args.model, kv_cache_mb=256, cache_dir=str(cache),
+                                     threads=args.threads)
     runner = ModelRunner(cfg)
     modes = args.modes.split(",")
     passes = [0]
