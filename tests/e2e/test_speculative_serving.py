@@ -169,3 +169,26 @@ def test_a_doubted_draft_ends_its_round_and_the_text_is_unchanged(
     verified = settled(draft_gateway, "kestrel_spec_decode_verify_steps_total")
     assert verified > 0
     assert settled(draft_gateway, "kestrel_spec_decode_proposed_tokens_total") == verified
+
+
+@pytest.mark.smollm
+def test_a_gguf_draft_is_served_requantized_and_the_text_is_unchanged(
+        servers, tiny_model_dir: Path) -> None:  # noqa: ANN001
+    """--speculative-draft-quantization auto (the default) end to end: the embedded SmolLM2
+    GGUF (Q4_1 layers, a Q8_0 head; the tiny Llama's tokenizer) drafts with every matrix
+    re-quantized to Q4_0, the worker's start log says so, drafts are verified, and the streamed
+    text is the worker's that does not speculate."""
+    _, _, gw_off = servers
+    with GatewayProc("--default-timeout-s", "300") as gw, WorkerProc(
+        tiny_model_dir, gw.engine_address, "--speculative-method", "draft",
+        "--draft-model", "default", "--num-speculative-tokens", str(K),
+        "--speculative-min-acceptance", "0", "--speculative-draft-confidence", "0",
+    ) as worker:
+        gw.wait_ready()
+        on, _ = stream_text(gw)
+        assert on == stream_text(gw_off)[0] and on
+        assert settled(gw, "kestrel_spec_decode_proposed_tokens_total") > 0
+        said = [e.get("msg", "") for e in worker.log_lines()
+                if e.get("logger") == "kestrel.speculative"]
+    assert any("matmul plan: q4_0: int_dot" in s and "head q4_0" in s
+               and "re-quantized to q4_0" in s for s in said), said
