@@ -171,7 +171,7 @@ def load_gguf_model(
     stored = read_tensor if blocks is None else blocks.read
 
     def read(t: Any) -> Blocks:
-        return stored(t) if requantize == "none" else requantized(stored(t), requantize)
+        return requantized(stored(t), requantize)  # "none": stored itself
 
     served = "" if requantize == "none" else f"@{requantize}"  # its packed layers' cache key
     device = torch.device(device)

@@ -58,7 +58,7 @@ def quantize_q4_0(w: torch.Tensor) -> np.ndarray:
 def requantized(b: Blocks, fmt: str) -> Blocks:
     """`b` in `fmt` where that takes fewer bits a weight (its bytes computed when first read:
     a layer the block cache maps packed never reads them); else `b` itself."""
-    if format_of(b.fmt, fmt) == b.fmt or b.k % int_dot.BLOCK:
+    if format_of(b.fmt, fmt) == b.fmt:  # (a quantized tensor's K is whole blocks of 32)
         return b
     return _Requantized(b, fmt)
 
