@@ -10,7 +10,7 @@
 //   x rows -> quantized once to 8 bits per block of 32 (Q8_0: codes q = round(x * 127/amax),
 //   ties to even, scale d = amax/127 in float32; plus the block's code sum for the weight
 //   formats with an offset, Q8_1-style) -> for each tile of 8 output rows (chunks of tiles
-//   taken by torch's threads as they come free: parallel_chunks), for each chunk of up to 4
+//   taken by torch's threads as they come free: parallel_chunks), for each chunk of up to 5
 //   activation rows, for each block: one integer dot of the block's 32 codes with each of the
 //   tile's 8 rows (int32, exact), then in float32
 //   acc[i] = fma(float(isum_i), dw_i * dx, acc[i])   (+ fma(m_i, dx * sum(q), acc[i]) for Q4_1).
@@ -45,12 +45,21 @@ void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
     body(0, n);
     return;
   }
-  // about 8 chunks a thread: few enough that the shared counter costs nothing
-  const int64_t chunk = std::max<int64_t>(min_chunk, n / (threads * 8));
+  // Guided: a chunk is a share of what is left (1 / (2 x threads) of it, at least min_chunk),
+  // so chunks shrink as the work runs out and the threads finish close together (a fixed
+  // 1/16 of the items left one thread idle for up to a chunk at the end of every call: on an
+  // AMD EPYC Zen 4, 2 threads, the 0.5B Qwen draft's one-row pass of ~97 calls spent 13.1 % of
+  // its samples idle in libgomp, 9.7 % guided; 10.6 / 11.6 / 11.9 against 11.0 / 12.1 / 12.0 ms
+  // a pass, interleaved). A thread held off its core still delays a call by one chunk at most.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t lo = next.fetch_add(chunk); lo < n; lo = next.fetch_add(chunk))
+    for (;;) {
+      const int64_t left = n - next.load(std::memory_order_relaxed);
+      const int64_t chunk = std::max<int64_t>(min_chunk, left / (2 * threads));
+      const int64_t lo = next.fetch_add(chunk);
+      if (lo >= n) break;
       body(lo, std::min(n, lo + chunk));
+    }
   });
 }
 
