@@ -87,6 +87,30 @@ def adjusts_logits(params: SamplingParams) -> bool:
                 or params.repetition_penalty != 1.0 or params.min_tokens or params.min_p)
 
 
+ARGMAX_BLOCK = 128  # ids a block of argmax_rows' first pass
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (R, V) float -> (R,) int64: torch's argmax of each row (the first maximum; a NaN counts
+    as the largest), in two passes: each block of ARGMAX_BLOCK ids' maximum (a vectorized
+    reduction), then the argmax within the first block holding the row's largest. torch's
+    argmax over a row is a scalar loop on the CPU: 140 us for one of the 151,936 Qwen ids
+    against 20 this way (Zen 4), and a greedy step, a draft pass and a verification each take
+    one per row. A vocabulary that is not whole blocks takes torch's argmax."""
+    r, v = x.shape
+    if v % ARGMAX_BLOCK or x.device.type != "cpu":
+        return x.argmax(-1)
+    blocks = x.reshape(r, v // ARGMAX_BLOCK, ARGMAX_BLOCK)  # (R, V/128, 128)
+    b = blocks.amax(-1).argmax(-1)  # (R,) amax keeps a NaN, argmax takes the first
+    return b * ARGMAX_BLOCK + blocks[torch.arange(r, device=x.device), b].argmax(-1)
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that adjusts the logits: the token is the raw logits' argmax, and no
+    distribution need be made (a draft's, or the verification's)."""
+    return is_greedy(params) and not adjusts_logits(params)
+
+
 class Sampler:
     """Stateless: all per-sequence state (generator, output tokens) lives in the inputs. The
     model's EOS ids are what min_tokens holds back."""
@@ -122,7 +146,7 @@ class Sampler:
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
         if greedy:
-            token_ids[greedy] = work[greedy].argmax(dim=-1)  # (G,)
+            token_ids[greedy] = argmax_rows(work[greedy])  # (G,)
         if sampled:
             for cands in candidates(work, sampled, inputs):
                 gens = [_generator_for(inputs[i], device) for i in cands.rows]
@@ -144,7 +168,7 @@ class Sampler:
         greedy = [i for i, x in enumerate(inputs) if is_greedy(x.params)]
         sampled = [i for i, x in enumerate(inputs) if not is_greedy(x.params)]
         if greedy:
-            out[greedy] = out[greedy].scatter_(1, work[greedy].argmax(-1, keepdim=True), 1.0)
+            out[greedy] = out[greedy].scatter_(1, argmax_rows(work[greedy])[:, None], 1.0)
         if sampled:
             for cands in candidates(work, sampled, inputs):
                 out[cands.rows] = cands.dense(work.shape[1])  # (C, V)

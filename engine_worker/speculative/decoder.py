@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from engine_worker.sampler import Sampler, adjusts_logits, is_greedy
+from engine_worker.sampler import Sampler, argmax_rows, is_greedy, plain_greedy
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.acceptance import accept
 from engine_worker.speculative.state import StepSeconds
@@ -103,14 +103,14 @@ class SpecDecoder:
         n_i + 1 uniforms (none for greedy ones)."""
         # Greedy without penalties needs no distributions: a draft passes while it is the
         # argmax, and the argmax follows (one batched argmax over every row, no dense p).
-        fast = [i for i, c in enumerate(chunks) if _plain_greedy(c.seq)]
+        fast = [i for i, c in enumerate(chunks) if plain_greedy(c.seq.params)]
         out: list[list[int] | None] = [None] * len(chunks)
         if fast:
             starts, row = [], 0
             for c in chunks:
                 starts.append(row)
                 row += 1 + len(c.draft_token_ids)
-            best = logits.argmax(-1).tolist()  # (rows,)
+            best = argmax_rows(logits).tolist()  # (rows,)
             for i in fast:
                 c = chunks[i]
                 target = best[starts[i] : starts[i] + 1 + len(c.draft_token_ids)]
@@ -192,8 +192,3 @@ class SpecDecoder:
             # The next probe decides at once: one more failed step backs off again, a step with
             # half its drafts accepted keeps speculating.
             st.acceptance = self.min_acceptance + 0.05
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    p = seq.params
-    return is_greedy(p) and not adjusts_logits(p)

@@ -27,7 +27,7 @@ import torch
 
 from engine_worker.block_manager import BlockManager
 from engine_worker.model_runner import ModelRunner
-from engine_worker.sampler import Sampler, is_greedy
+from engine_worker.sampler import Sampler, argmax_rows, is_greedy, plain_greedy
 from engine_worker.sequence import Sequence
 from engine_worker.speculative.state import StepSeconds
 from engine_worker.step import SamplerInput, StepItem
@@ -171,32 +171,45 @@ class DraftModelProposer:
               drafts: list[list[int]], probs: list[list[torch.Tensor]], ks: list[int],
               trust: list[float], stop: float) -> None:
         """Draw the next draft of each live sequence from its processed draft distribution;
-        where the odds of the next one fall below `stop`, its drafts end (ks[i] = so far)."""
+        where the odds of the next one fall below `stop`, its drafts end (ks[i] = so far).
+        A plain greedy sequence drafts the argmax of the raw logits and keeps no distribution
+        (its verification takes the argmax too): building and stacking dense one-hot rows of
+        the vocabulary took ~0.9 ms of a 12 ms draft pass of the 0.5B Qwen (151,936 ids)."""
+        plain = {i for i in live if plain_greedy(seqs[i].params)}
+        made = {i: m for m, i in enumerate(i for i in live if i not in plain)}  # q's row of i
         inputs = [SamplerInput(seqs[i].params, seqs[i].output_token_ids + drafts[i],
-                               seqs[i].generator, seqs[i].prompt_token_ids) for i in live]
-        q = self.sampler.probs(logits, inputs)  # (L, V)
+                               seqs[i].generator, seqs[i].prompt_token_ids) for i in made]
+        q = self.sampler.probs(logits[[r for r, i in enumerate(live) if i in made]], inputs) \
+            if made else None  # (len(made), V)
         for r, i in enumerate(live):
-            seq = seqs[i]
-            if is_greedy(seq.params):
-                tok = int(q[r].argmax())
+            seq, qr = seqs[i], None
+            if i in plain:
+                tok = int(argmax_rows(logits[r : r + 1])[0])
             else:
-                cdf = q[r].double().cumsum(0)  # (V,)
-                u = torch.rand((), generator=seq.generator, dtype=torch.float64,
-                               device=q.device)
-                tok = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(
-                    q.shape[1] - 1))
+                assert q is not None
+                qr = q[made[i]]
+                if is_greedy(seq.params):
+                    tok = int(argmax_rows(qr[None])[0])
+                else:
+                    cdf = qr.double().cumsum(0)  # (V,)
+                    u = torch.rand((), generator=seq.generator, dtype=torch.float64,
+                                   device=q.device)
+                    tok = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(
+                        q.shape[1] - 1))
+                probs[i].append(qr)
             drafts[i].append(tok)
-            probs[i].append(q[r])
             if stop > 0:
-                conf = self._confidence(q[r], logits[r], tok, seq)
+                conf = self._confidence(qr, logits[r], tok, seq)
                 trust[i] *= conf  # P(drafts 1..j all accepted), as the draft model sees it
                 if trust[i] * conf < stop:  # the next one's odds, taking this one's for it
                     ks[i] = len(drafts[i])
 
     @staticmethod
-    def _confidence(q: torch.Tensor, logits: torch.Tensor, tok: int, seq: Sequence) -> float:
-        """The draft model's probability of its draft: q's, or for a greedy request (q one-hot)
-        its softmax at temperature 1."""
-        if not is_greedy(seq.params):
+    def _confidence(q: torch.Tensor | None, logits: torch.Tensor, tok: int, seq: Sequence
+                    ) -> float:
+        """The draft model's probability of its draft: q's, or for a greedy request (q one-hot,
+        or none made) its softmax at temperature 1."""
+        if q is not None and not is_greedy(seq.params):
             return float(q[tok])
-        return float(torch.softmax(logits.float(), -1)[tok])
+        row = logits.float()
+        return float(torch.exp(row[tok] - torch.logsumexp(row, -1)))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine_worker.sampler import Sampler, make_generator
+from engine_worker.sampler import Sampler, argmax_rows, make_generator
 from engine_worker.step import SamplerInput
 from protocol.messages import SamplingParams
 
@@ -296,3 +296,18 @@ def test_mixed_full_size_batch_is_valid() -> None:
     out = Sampler()(logits, inputs)
     assert all(0 <= r.token_id < 49152 for r in out)
     assert [r.token_id for r in out[0::4]] == logits[0::4].argmax(-1).tolist()  # greedy rows
+
+
+@pytest.mark.parametrize("vocab", [128, 151936, 49152, 1000])
+def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_infinities(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (12, vocab), generator=g).float()  # many ties at the maximum
+    x[1, 7] = x[1, 300 % vocab] = float("nan")  # the first NaN wins, as torch's
+    x[2] = float("-inf")  # a row of nothing but -inf: id 0
+    x[3, vocab - 1] = float("inf")
+    x[4, :] = 5.0  # one value everywhere: the first id
+    x[5, vocab // 2] = x[5, vocab - 1] = 9.0  # a tie in different blocks: the earlier
+    x[6, vocab - 2] = float("nan")
+    x[7] = torch.randn(vocab, generator=g)
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    assert argmax_rows(x[7:8].clone()).tolist() == [int(x[7].argmax())]

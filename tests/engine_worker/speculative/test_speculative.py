@@ -310,3 +310,33 @@ def test_a_verification_step_is_measured_without_the_drafting(tiny_runner: Model
     assert e.stats().spec_verify_steps > 0
     verify = e.costs.decode_s(5)  # 1 + 4 drafts a verification
     assert verify is not None and verify < 0.1
+
+
+class _Kept(DraftModelProposer):
+    """A draft model that keeps what each round proposed, by request."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner)
+        self.rounds: dict[str, list[tuple[list[int], Any]]] = defaultdict(list)
+
+    def propose(self, seqs: list, limits: list[int], target_step_s: Any = None) -> list:
+        out = super().propose(seqs, limits, target_step_s)
+        for seq, o in zip(seqs, out, strict=True):
+            self.rounds[seq.request_id].append(o)
+        return out
+
+
+def test_a_plain_greedy_draft_carries_no_distribution(tiny_runner: ModelRunner,
+                                                      draft_runner: ModelRunner) -> None:
+    """A greedy request with nothing adjusting its logits drafts the argmax and no dense one-hot
+    row of the vocabulary (its verification takes the argmax); a greedy request with a penalty
+    still gets its one-hot q, and both texts are plain decoding's."""
+    kept = _Kept(draft_runner)
+    prompt = repetitive_prompt(11)
+    gens = [gen("plain", prompt, 16), gen("penalty", prompt, 16, repetition_penalty=1.2)]
+    out = run(engine(tiny_runner, kept), gens)
+    assert out == run(engine(tiny_runner, None), gens)
+    plain, penalty = kept.rounds["plain"], kept.rounds["penalty"]
+    assert plain and all(d and q is None for d, q in plain)
+    assert penalty and all(q is not None and q.shape[0] == len(d) for d, q in penalty)
+    assert all(bool((row.sum() == 1) & (row.max() == 1)) for _, q in penalty for row in q)
