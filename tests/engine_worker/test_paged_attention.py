@@ -167,6 +167,35 @@ def test_the_kernel_reads_an_8_bit_cache_in_place(kernel: None, cache_dtype: tor
                                         lens, bs), ref)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                         torch.int8])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (12, 2, 128), (6, 2, 20)])
+@pytest.mark.parametrize("start", [1, 6, 8, 13])  # rows ending before, on and across a block edge
+def test_a_sequences_consecutive_rows_in_one_call_equal_each_row_alone(
+        kernel: None, cache_dtype: torch.dtype, heads: tuple[int, int, int], start: int) -> None:
+    """A verification's k + 1 rows (one block table, lengths L .. L + k) in one call: each
+    row's output is, bit for bit, what the kernel gives that row alone, and so is a row of
+    another sequence beside them (a verified draft's numbers do not depend on its batch)."""
+    h, hkv, d = heads
+    bs, num_blocks, rows = 4, 64, 5
+    g = torch.Generator().manual_seed(start * h + d)
+    k32, v32 = (head_major(torch.randn(num_blocks * bs, hkv, d, generator=g)) for _ in "kv")
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = encode(k32, cache_dtype), encode(v32, cache_dtype)
+    else:
+        k_cache, v_cache = k32.to(cache_dtype), v32.to(cache_dtype)
+    seq = torch.randperm(num_blocks, generator=g)[:8]
+    other = torch.randperm(num_blocks, generator=g)[:8]
+    table = torch.stack([seq] * rows + [other])  # (rows + 1, 8): another sequence last
+    lens = torch.tensor([start + i for i in range(rows)] + [start + 2])
+    q = torch.randn(rows + 1, h, d, generator=g)
+    together = paged_decode_attention(q, k_cache, v_cache, table, lens, bs)
+    for i in range(rows + 1):
+        alone = paged_decode_attention(q[i : i + 1], k_cache, v_cache, table[i : i + 1],
+                                       lens[i : i + 1], bs)
+        assert torch.equal(together[i : i + 1], alone), i
+
+
 def test_kernel_zero_length_row_is_zeros_and_bad_ids_raise(kernel: None) -> None:
     q, k_cache, v_cache, table, lens, bs = ragged_case(3, 6, 2, 16, torch.float32, seed=1)
     lens[1] = 0  # a padded row (a compiled step pads its batch): zeros, never NaN
