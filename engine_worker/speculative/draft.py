@@ -14,7 +14,9 @@ Data flow, per step, for the sequences the engine wants drafts for:
 
 Each draft is drawn from the draft's fully processed distribution for that request (the same
 penalties, temperature, top-k/top-p as the target), with the sequence's own generator, and that
-distribution q travels with the draft to the acceptance step; a greedy request drafts the argmax.
+distribution q travels with the draft to the acceptance step; a greedy request drafts the argmax
+(a plain greedy one, nothing adjusting its logits, of the raw logits with no q made: its
+verification takes the argmax too).
 The draft must share the target's tokenizer (same vocabulary size, checked at start).
 """
 
