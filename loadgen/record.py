@@ -6,7 +6,8 @@ A non-streamed response is one event (`on_response`): TTFT equals its whole late
 Times are seconds on `time.perf_counter()`, stored relative to the run's start (`scheduled_s`,
 `sent_s`) or to the request's send (`ttft_s`, `e2e_s`). A "token chunk" is a chunk with a choice,
 except the chat preamble (`delta: {role, content: ""}`), which precedes any token; kestrel sends
-one token chunk per generated token, so `n_chunks` should equal `completion_tokens` there. Token
+one token chunk per generated token, except where its gateway fell behind the worker and sent
+the backlog as one chunk, so `n_chunks` is at most `completion_tokens` there. Token
 totals come from the server's `usage` (it is sent on the last choice chunk and again in the
 include_usage chunk; both carry the same totals, so the last one seen wins).
 """

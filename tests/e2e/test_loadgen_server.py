@@ -1,6 +1,6 @@
 """The load generator against the real server (tiny model): its token totals agree with the
-server's own counters, chunks equal tokens, 429s are rejections, and a saturated server never
-delays the open-loop schedule."""
+server's own counters, the chunks carry every token, 429s are rejections, and a saturated
+server never delays the open-loop schedule."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def counter(text: str, name: str) -> float:
                if s.name == name)
 
 
-def test_token_totals_equal_the_servers_counters_and_chunks_equal_tokens(tiny_server) -> None:
+def test_token_totals_equal_the_servers_counters_and_chunks_carry_every_token(
+        tiny_server) -> None:
     gw, _ = tiny_server
     before = gw.metrics()
     result = asyncio.run(run_load(LoadConfig(
@@ -32,7 +33,11 @@ def test_token_totals_equal_the_servers_counters_and_chunks_equal_tokens(tiny_se
     assert s.completion_tokens == counter(after, "kestrel_generation_tokens_total") - \
         counter(before, "kestrel_generation_tokens_total")
     for r in result.records:
-        assert r.n_chunks == r.completion_tokens == r.target_output_len
+        # every token arrives; a chunk carries one, or several where the gateway fell behind
+        # the worker and sent its backlog as one event (gateway/output/generation.py _joined:
+        # CI once saw 8 tokens in 7 chunks on a busy host)
+        assert r.completion_tokens == r.target_output_len
+        assert 1 <= r.n_chunks <= r.completion_tokens
 
 
 def test_saturated_server_rejections_and_on_time_sends(tiny_model_dir: Path) -> None:
