@@ -183,10 +183,15 @@ class DraftModelProposer:
                                seqs[i].generator, seqs[i].prompt_token_ids) for i in made]
         q = self.sampler.probs(logits[[r for r, i in enumerate(live) if i in made]], inputs) \
             if made else None  # (len(made), V)
+        rows = [r for r, i in enumerate(live) if i in plain]  # one argmax for the step's rows
+        best: dict[int, int] = {}
+        if rows:
+            picked = argmax_rows(logits if len(rows) == len(live) else logits[rows])
+            best = dict(zip(rows, picked.tolist(), strict=True))
         for r, i in enumerate(live):
             seq, qr = seqs[i], None
             if i in plain:
-                tok = int(argmax_rows(logits[r : r + 1])[0])
+                tok = best[r]
             else:
                 assert q is not None
                 qr = q[made[i]]
