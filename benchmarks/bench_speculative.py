@@ -18,6 +18,7 @@ Prints a markdown table with the speed-up over "off", the draft model's forward 
 acceptance (accepted / proposed drafts, mean accepted per verify). "draft@C" stops a round's
 drafts where the odds of the next one fall below C, "draft@auto" below the measured price of a
 draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0);
+"draft@auto/k6" drafts at most 6 a round (--k for the others);
 "draft@auto:none" takes the draft as --draft-quantization none loads it (its file's own blocks;
 the default, q4_0, is the worker's).
 
@@ -192,6 +193,11 @@ def main() -> None:
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":
             return None
+        k = args.k
+        mode, _, kk = mode.partition("/k")  # "mode/kN": at most N drafts a round, not --k
+        if kk:
+            kk, colon, rq = kk.partition(":")
+            k, mode = int(kk), mode + colon + rq
         if mode == "ngram":
             proposer = NgramProposer()
         else:  # "draft": k drafts a round; "draft@C": stop where the next one's odds < C;
@@ -201,7 +207,7 @@ def main() -> None:
             proposer = DraftModelProposer(drafts[rq or next(iter(drafts))],
                                           min_confidence=None if conf == "auto"
                                           else float(conf))
-        return SpecDecoder(proposer, args.k, max_batch=args.max_batch, min_acceptance=0.3)
+        return SpecDecoder(proposer, k, max_batch=args.max_batch, min_acceptance=0.3)
 
     # Warm-up: first calls of oneDNN kernels are slow.
     run(runner, make("ngram"), chat_ids(path, "Hi"), 1, 8)
