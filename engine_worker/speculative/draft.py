@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_worker.block_manager import BlockManager
@@ -58,6 +59,7 @@ class DraftModelProposer:
         self.sampler = sampler or Sampler()
         self.min_confidence = min_confidence
         self.pass_s: float | None = None  # the draft's one-token pass, seconds (EWMA)
+        self._exp_buf = np.empty(0, np.float32)  # _confidence's work row
         # The draft cache's blocks: the target's allocator, with no prefix cache (a draft's
         # positions past its committed tokens are rewritten at will).
         self.blocks = BlockManager(runner.num_blocks, runner.block_size,
@@ -205,18 +207,26 @@ class DraftModelProposer:
                         q.shape[1] - 1))
                 probs[i].append(qr)
             drafts[i].append(tok)
-            if stop > 0:
+            if stop > 0 and len(drafts[i]) < ks[i]:  # a round's last draft has no next to weigh
                 conf = self._confidence(qr, logits[r], tok, seq)
                 trust[i] *= conf  # P(drafts 1..j all accepted), as the draft model sees it
                 if trust[i] * conf < stop:  # the next one's odds, taking this one's for it
                     ks[i] = len(drafts[i])
 
-    @staticmethod
-    def _confidence(q: torch.Tensor | None, logits: torch.Tensor, tok: int, seq: Sequence
+    def _confidence(self, q: torch.Tensor | None, logits: torch.Tensor, tok: int, seq: Sequence
                     ) -> float:
         """The draft model's probability of its draft: q's, or for a greedy request (q one-hot,
-        or none made) its softmax at temperature 1."""
+        or none made) its softmax at temperature 1, 1 / sum(exp(logits - logits[tok])), in
+        numpy into a buffer kept for it: right after a draft pass of the 0.5B Qwen (151,936 ids)
+        ~0.2 ms where torch's logsumexp took ~0.4 (Zen 4)."""
         if q is not None and not is_greedy(seq.params):
             return float(q[tok])
-        row = logits.float()
-        return float(torch.exp(row[tok] - torch.logsumexp(row, -1)))
+        if logits.device.type != "cpu":
+            return float(torch.exp(logits[tok].float() - torch.logsumexp(logits.float(), -1)))
+        row = logits.float().numpy()
+        if self._exp_buf.shape != row.shape:
+            self._exp_buf = np.empty(row.shape, np.float32)
+        np.subtract(row, row[tok], out=self._exp_buf)
+        with np.errstate(over="ignore"):  # an id far above tok's: inf, so its odds are 0
+            np.exp(self._exp_buf, out=self._exp_buf)
+        return float(1.0 / self._exp_buf.sum(dtype=np.float64))

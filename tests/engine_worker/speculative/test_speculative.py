@@ -281,6 +281,25 @@ def test_the_automatic_stop_is_the_measured_price_of_a_draft(draft_runner: Model
     assert proposer.threshold(0, steps) == 0.0
 
 
+def test_a_greedy_drafts_confidence_is_its_softmax_probability(draft_runner: ModelRunner
+                                                               ) -> None:
+    """The odds a greedy draft is weighed by: its softmax at temperature 1 (now numpy's sum of
+    exponentials into a kept buffer, not torch's logsumexp), for the argmax or any other id;
+    a sampled request's q is read as it is."""
+    proposer = DraftModelProposer(draft_runner, min_confidence=None)
+    g = torch.Generator().manual_seed(3)
+    greedy = type("S", (), {"params": m.SamplingParams(temperature=0.0)})()
+    for scale in (0.5, 4.0, 30.0):
+        row = torch.randn(49152, generator=g) * scale
+        p = torch.softmax(row.double(), -1)
+        for tok in (int(row.argmax()), 7):
+            got = proposer._confidence(None, row, tok, greedy)
+            assert got == pytest.approx(float(p[tok]), rel=1e-5, abs=1e-30), (scale, tok)
+    sampled = type("S", (), {"params": m.SamplingParams(temperature=1.0)})()
+    q = torch.softmax(torch.randn(49152, generator=g), -1)
+    assert proposer._confidence(q, row, 11, sampled) == float(q[11])
+
+
 def test_the_price_stays_measured_while_rounds_stop_at_their_first_draft(
         tiny_runner: ModelRunner, draft_runner: ModelRunner) -> None:
     """A round's first pass is timed too: were only the later passes, a stop that ends every
