@@ -29,12 +29,14 @@ TEST_JOBS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
-# The engine's numerics tests again with torch, oneDNN and our kernels capped to AVX2 (what a
+# The engine's numerics tests again with torch, oneDNN, numpy (its 512-bit dispatch targets
+# off: the sampler's argmax, the draft's odds) and our kernels capped to AVX2 (what a
 # cloud VM without AVX512 runs), and the end-to-end batch-invariance test (its worker inherits the
 # caps): an AVX512 machine proves that host's path too. CI runs both. Left out: what computes
 # nothing on the CPU's vector units, where the caps change nothing (tokenizers read from GGUF
 # files, 45 s of the 4.5 min).
-AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KESTREL_CPU_ISA=avx2
+AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KESTREL_CPU_ISA=avx2 \
+	NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"
 AVX2_SKIP := --ignore=tests/engine_worker/model/test_pretokenizer.py \
 	--deselect=tests/engine_worker/model/test_llama.py::test_gguf_metadata_folder_holds_no_weights
 test-avx2: install

@@ -312,5 +312,5 @@ def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_infinities(vocab: int) 
     assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
     assert argmax_rows(x[7:8].clone()).tolist() == [int(x[7].argmax())]
     assert argmax_rows(x[::2]).tolist() == x[::2].argmax(-1).tolist()  # rows not adjacent
-    for dtype in (torch.bfloat16, torch.float16):  # not numpy's: the block maxima, or torch's
+    for dtype in (torch.bfloat16, torch.float16):  # widened to float32 first
         assert argmax_rows(x.to(dtype)).tolist() == x.to(dtype).argmax(-1).tolist()
