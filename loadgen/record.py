@@ -7,7 +7,8 @@ Times are seconds on `time.perf_counter()`, stored relative to the run's start (
 `sent_s`) or to the request's send (`ttft_s`, `e2e_s`). A "token chunk" is a chunk with a choice,
 except the chat preamble (`delta: {role, content: ""}`), which precedes any token; kestrel sends
 one token chunk per generated token, except where its gateway fell behind the worker and sent
-the backlog as one chunk, so `n_chunks` is at most `completion_tokens` there. Token
+the backlog as one chunk, or speculative decoding sent a step's accepted drafts together, so
+`n_chunks` is at most `completion_tokens` there (TPOT counts tokens, ITL chunks). Token
 totals come from the server's `usage` (it is sent on the last choice chunk and again in the
 include_usage chunk; both carry the same totals, so the last one seen wins).
 """
@@ -65,10 +66,15 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """(last - first) / (n_chunks - 1): the mean gap after the first token; None for < 2."""
+        """(last chunk - first chunk) / (tokens - 1), as vLLM's benchmark defines it: the mean
+        time per output token after the first. Tokens: the server's completion_tokens where it
+        gave them (a chunk may carry several: speculative decoding's accepted drafts, or a
+        backlog the gateway joined; dividing by the chunks counted such a chunk's tokens as one
+        and overstated the time a token took), the token chunks otherwise. None below 2."""
         if self._first_t is None or self._last_t is None or self.n_chunks < 2:
             return None
-        return (self._last_t - self._first_t) / (self.n_chunks - 1)
+        tokens = max(self.n_chunks, self.completion_tokens or 0)
+        return (self._last_t - self._first_t) / (tokens - 1)
 
     def on_event(self, data: str, now: float, sent_at: float) -> bool:
         """Apply one SSE data payload that arrived at `now` (perf_counter) for a request sent at

@@ -4,7 +4,8 @@
                                                                 Summary.to_dict (JSON)
 
 Latency distributions use successful requests only (a rejected request has no TTFT; an errored
-one's latency measures the failure). ITL pools every gap of every successful request. Token totals
+one's latency measures the failure). ITL pools every gap between token chunks of every successful
+request; TPOT is per token (a chunk may carry several: RequestRecord.tpot_s). Token totals
 sum `usage` over every record that has one, whatever its outcome, so they match what the server
 counted. Goodput counts successful requests that met every SLO set (a TPOT target cannot be
 missed by a one-token answer) per second of wall time.

@@ -72,6 +72,21 @@ def test_record_from_a_chat_stream() -> None:
     assert r.finish_reason == "length" and r.done and r.ok and not r.rejected
 
 
+def test_tpot_divides_by_the_tokens_when_a_chunk_carries_several() -> None:
+    """Speculative decoding sends a step's accepted drafts in one chunk: 3 token chunks carrying
+    7 tokens over 0.6 s are 0.1 s a token after the first (vLLM's (last - first) / (tokens -
+    1)), not 0.3 s a chunk; without usage, the chunks are all there is to count."""
+    r = RequestRecord(0, 0.0, status=200)
+    for t, text in ((10.2, "a"), (10.5, "bcd"), (10.8, "efg")):
+        r.on_event(json.dumps({"choices": [{"index": 0, "delta": {"content": text},
+                                            "finish_reason": None}]}), t, 10.0)
+    assert r.n_chunks == 3 and r.tpot_s == pytest.approx(0.6 / 2)
+    r.on_event(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7,
+                                                    "total_tokens": 12}}), 10.8, 10.0)
+    assert r.completion_tokens == 7 and r.tpot_s == pytest.approx(0.6 / 6)
+    assert r.itl_s == pytest.approx([0.3, 0.3])  # gaps stay per chunk, as they arrived
+
+
 def test_record_error_event_and_bad_payload() -> None:
     r = RequestRecord(0, 0.0, status=200)
     assert not r.on_event('{"error":{"message":"worker lost","code":"worker_lost"}}', 1.0, 0.0)
