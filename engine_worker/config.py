@@ -15,7 +15,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
-DRAFT_QUANTIZATIONS = ("auto", "none", "q4_0")  # model/requantize.py's formats, auto, none
+# The formats model/requantize.py re-quantizes a draft to (listed here, where torch is not
+# imported, for --speculative-draft-quantization's choices)
+REQUANTIZE_FORMATS = ("q4_0",)
+DRAFT_QUANTIZATIONS = ("auto", "none", *REQUANTIZE_FORMATS)
 PAGED_ATTENTION_MODES = ("auto", "gather")
 # The KV cache's element type (vLLM's --kv-cache-dtype names); auto: bfloat16 on a CPU, the
 # activations' 16-bit dtype on a GPU (engine_worker/runner_config.py resolve_kv_dtype).

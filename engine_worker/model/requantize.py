@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from engine_worker import int_dot
+from engine_worker.config import REQUANTIZE_FORMATS
 from engine_worker.model.ggml_types import Blocks
 
-FORMATS = ("q4_0",)  # the formats a draft may be re-quantized to
+FORMATS = REQUANTIZE_FORMATS  # the formats a draft may be re-quantized to
 ROWS = 8192  # rows dequantized at a time (the 0.5B Qwen's head: 151,936 rows of 896)
 
 
