@@ -20,7 +20,9 @@ drafts where the odds of the next one fall below C, "draft@auto" below the measu
 draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0);
 "draft@auto/k6" drafts at most 6 a round (--k for the others);
 "draft@auto:none" takes the draft as --draft-quantization none loads it (its file's own blocks;
-the default, q4_0, is the worker's).
+the default, q4_0, is the worker's). --anatomy times every forward pass by model and rows and
+prints, per mode, its last run's: where a speculative round's time goes (draft passes, the
+target's verifications by rows, the rest), beside the plain run's one-row steps.
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
@@ -144,6 +146,14 @@ def run(runner: ModelRunner, spec: SpecDecoder | None, prompt: list[int], batch:
             tokens_second / (end - t_second))
 
 
+def _anatomy(spent: dict[tuple[str, int], list[float]], wall: float) -> str:
+    """One run's forward passes as 'model rows: count x mean ms', and what was outside them."""
+    parts = [f"{name} {'>8' if rows == 9 else rows} rows: {len(ts)} x "
+             f"{statistics.mean(ts) * 1e3:.2f} ms" for (name, rows), ts in sorted(spent.items())]
+    inside = sum(sum(ts) for ts in spent.values())
+    return "; ".join(parts) + f"; outside them {(wall - inside) * 1e3:.0f} ms of {wall:.2f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -161,6 +171,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="the worker's --threads: a fixed count (0: chosen while serving, the "
                     "worker's default, whose probes run some steps at fewer threads)")
+    ap.add_argument("--anatomy", action="store_true",
+                    help="time every forward pass by model and rows; print each mode's last run "
+                    "(prefill and the start-up probe fall in the rows >8 bucket)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,6 +192,20 @@ def main() -> None:
             return execute(items, **kw)
         return run
 
+    spent: dict[tuple[str, int], list[float]] = {}  # (model, rows; 9: more) -> pass times
+
+    def timed(name: str, execute):  # --anatomy: every forward pass's time, by model and rows
+        def run(items, **kw):
+            t = time.perf_counter()
+            try:
+                return execute(items, **kw)
+            finally:
+                rows = sum(len(it.token_ids) for it in items)
+                spent.setdefault((name, min(rows, 9)), []).append(time.perf_counter() - t)
+        return run
+
+    if args.anatomy:
+        runner.execute = timed("target", runner.execute)
     drafts: dict[str, ModelRunner] = {}  # by --draft-quantization
     if any(mo.startswith("draft") for mo in modes):
         dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
@@ -187,7 +214,8 @@ def main() -> None:
         for rq in args.draft_quantization.split(","):
             draft = ModelRunner(replace(cfg.for_draft(dpath, dgguf, rq),
                                         kv_budget_bytes=128 << 20))
-            draft.execute = counted(draft.execute)
+            draft.execute = counted(timed("draft", draft.execute) if args.anatomy
+                                    else draft.execute)
             drafts[rq] = draft
 
     def make(mode: str) -> SpecDecoder | None:
@@ -232,11 +260,16 @@ def main() -> None:
             steps: dict[str, int] = {}
             drafted: dict[str, int] = {}
             texts: dict[str, list[int]] = {}
+            anatomy: dict[str, str] = {}
             for _ in range(args.rounds):
                 for mode in modes:
                     passes[0] = 0
+                    spent.clear()
+                    t_run = time.perf_counter()
                     tps, steps[mode], spec, texts[mode], later = run(
                         runner, make(mode), prompt, batch, args.max_tokens)
+                    if args.anatomy:
+                        anatomy[mode] = _anatomy(spent, time.perf_counter() - t_run)
                     drafted[mode] = passes[0]
                     speeds[mode].append(tps)
                     steady[mode].append(later)
@@ -257,6 +290,8 @@ def main() -> None:
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
                       f"{later:.1f} | {ratio2} | {steps[mode]} | {drafted[mode]} | "
                       f"{stats.get(mode, '- | -')} | {same} |", flush=True)
+            for mode, line in anatomy.items():
+                print(f"\n{wl}, {mode}, the last run's passes: {line}", flush=True)
 
 
 if __name__ == "__main__":
