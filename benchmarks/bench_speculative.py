@@ -21,8 +21,8 @@ draft (--speculative-draft-confidence; the worker's default is auto, "draft" her
 "draft@auto/k6" drafts at most 6 a round (--k for the others);
 "draft@auto:none" takes the draft as --draft-quantization none loads it (its file's own blocks;
 the default, q4_0, is the worker's). --anatomy times every forward pass by model and rows and
-prints, per mode, its last run's: where a speculative round's time goes (draft passes, the
-target's verifications by rows, the rest), beside the plain run's one-row steps.
+prints each mode's last run split that way: where a speculative round's time goes (draft
+passes, the target's verifications by rows, the rest), beside the plain run's one-row steps.
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
