@@ -3,15 +3,16 @@ and llama.cpp's llama-server side by side on the same GGUF, in one run.
 
     python benchmarks/bench_bytes_per_token.py --gguf FILE [--llama-server PATH]
         [--contexts 128,2048,8192] [--tokens 64] [--repeats 3] [--threads 2]
-        [--kv-cache-dtypes auto,float32]
+        [--kv-cache-dtypes auto,float32] [--huge-pages auto,off]
 
 Data flow:
   1. the host's read bandwidth: torch sums a 1 GiB float32 tensor and multiplies it as a
      matrix by a vector, with --threads threads, the best of 5 each (a decode step streams its
      weights once, as these do); probed again after each context's streams, and the floors use
      the median of the probes (a 2-vCPU Zen 4 VM read 29 to 56 GB/s within one hour)
-  2. ours (`kestrel serve FILE`, default flags but --kv-cache-dtype, once per dtype listed;
-     auto is the default, bfloat16 on a CPU): /health says what its decode step reads (the
+  2. ours (`kestrel serve FILE`, default flags but --kv-cache-dtype and --huge-pages, once
+     per pair listed; auto is the default of both: a bfloat16 cache on a CPU, the packed
+     weights in 2 MiB pages): /health says what its decode step reads (the
      weights a token, K/V bytes a token of context, the cache's dtype); then for each context,
      --repeats streams of a prompt of that many token ids (seeded, ids in [1000, 20000)) with
      --tokens new tokens (ignore_eos), after one warm-up stream: the inter-token latency is
@@ -121,12 +122,14 @@ def itl_llama(url: str, ids: list[int], tokens: int) -> list[float]:
     return stream_gaps(url, "/completion", body, b'"content"')
 
 
-def start_ours(gguf: Path, kv_dtype: str) -> tuple[subprocess.Popen, str, dict, str]:
-    """`kestrel serve FILE` with this cache dtype, ready and warm: its process, url, /health's
-    worker (with the served context) and model id."""
+def start_ours(gguf: Path, kv_dtype: str, huge_pages: str = "auto"
+               ) -> tuple[subprocess.Popen, str, dict, str]:
+    """`kestrel serve FILE` with this cache dtype and --huge-pages, ready and warm: its
+    process, url, /health's worker (with the served context) and model id."""
     port = free_port()
     env = {**os.environ, "PORT": str(port), "KESTREL_MODEL": str(gguf),
-           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_KV_CACHE_DTYPE": kv_dtype}
+           "KESTREL_LOG_LEVEL": "WARNING", "KESTREL_KV_CACHE_DTYPE": kv_dtype,
+           "KESTREL_HUGE_PAGES": huge_pages}
     proc = subprocess.Popen([sys.executable, "-m", "kestrel.serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -188,6 +191,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="ours once per --kv-cache-dtype listed (e.g. auto,float32)")
+    ap.add_argument("--huge-pages", default="auto",
+                    help="and once per --huge-pages listed (auto,off: the packed weights in "
+                    "2 MiB pages against the block cache's 4 KiB file maps)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     probes = [read_bandwidth(args.threads)]
@@ -201,14 +207,17 @@ def main() -> int:
     workers: dict[str, dict] = {}
     try:
         for kv_dtype in args.kv_cache_dtypes.split(","):
-            proc, url, worker, model = start_ours(args.gguf, kv_dtype)
-            procs.append(proc)
-            print(f"ours ({kv_dtype}): a decode step reads {worker['decode_read_mb']:.1f} MB of "
-                  f"weights and {worker['kv_bytes_per_token'] / 1024:.1f} KiB of "
-                  f"{worker['kv_cache_dtype']} K/V a token of context; served context "
-                  f"{worker['max_model_len']}", flush=True)
-            workers[kv_dtype] = worker
-            runners[f"ours ({kv_dtype} cache)"] = partial(itl_ours, url, model)
+            for huge in args.huge_pages.split(","):
+                proc, url, worker, model = start_ours(args.gguf, kv_dtype, huge)
+                procs.append(proc)
+                key = kv_dtype if huge == "auto" else f"{kv_dtype}, huge pages {huge}"
+                print(f"ours ({key}): a decode step reads {worker['decode_read_mb']:.1f} MB "
+                      f"of weights and {worker['kv_bytes_per_token'] / 1024:.1f} KiB of "
+                      f"{worker['kv_cache_dtype']} K/V a token of context; served context "
+                      f"{worker['max_model_len']}", flush=True)
+                workers[key] = worker | {"label": worker["kv_cache_dtype"] + (
+                    "" if huge == "auto" else f", huge pages {huge}")}
+                runners[f"ours ({key} cache)"] = partial(itl_ours, url, model)
         if args.llama_server is not None:
             proc, url = start_llama(args.llama_server, args.gguf, contexts, args)
             procs.append(proc)
@@ -233,7 +242,7 @@ def main() -> int:
             w, kv = worker["decode_read_mb"] * 1e6, worker["kv_bytes_per_token"]
             ob, lb = w + ctx * kv, lw + ctx * lkv
             of, lf = ob / bw, lb / bw
-            row = [f"{ctx}", worker["kv_cache_dtype"], f"{ob / 1e6:.0f}", f"{1e3 * of:.1f}",
+            row = [f"{ctx}", worker["label"], f"{ob / 1e6:.0f}", f"{1e3 * of:.1f}",
                    f"{1e3 * ours[ctx]:.1f}", f"{ours[ctx] / of:.2f}", f"{lb / 1e6:.0f}",
                    f"{1e3 * lf:.1f}"]
             if ctx in theirs:

@@ -18,6 +18,7 @@ from pathlib import Path
 from engine_worker.config import (
     COMPILE_MODES,
     DECODE_STACK_MODES,
+    HUGE_PAGES_MODES,
     KV_CACHE_DTYPES,
     PAGED_ATTENTION_MODES,
     QUANT_GROUP_SIZES,
@@ -68,6 +69,9 @@ class RunnerConfig:
     paged_attention: str = "auto"
     # "auto": decode rows through the C++ decode stack where it serves (model/decode_stack.py)
     decode_stack: str = "auto"
+    # "auto": the integer-dot layers' packed weights copied into 2 MiB pages on a CPU host with
+    # transparent huge pages (model/huge_pages.py); "off": the block cache's file maps serve
+    huge_pages: str = "auto"
     compile_mode: str = "off"  # "decode": torch.compile one-token decode steps
     block_size: int = 16
     max_model_len: int | None = None  # None: the checkpoint's context clamped to the KV capacity
@@ -87,6 +91,7 @@ class RunnerConfig:
                              "group_size": QUANT_GROUP_SIZES, "compile_mode": COMPILE_MODES,
                              "paged_attention": PAGED_ATTENTION_MODES,
                              "decode_stack": DECODE_STACK_MODES,
+                             "huge_pages": HUGE_PAGES_MODES,
                              "kv_cache_dtype": KV_CACHE_DTYPES})
         if self.gguf_path is not None and (self.quantization != "none"
                                            or self.dtype != "float32"):
@@ -128,6 +133,7 @@ class RunnerConfig:
             dense_min_rows=cfg.dense_min_rows,
             paged_attention=cfg.paged_attention,
             decode_stack=cfg.decode_stack,
+            huge_pages=cfg.huge_pages,
             compile_mode=cfg.compile,
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len or None,

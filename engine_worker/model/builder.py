@@ -32,7 +32,7 @@ import torch
 
 from engine_worker import int_dot
 from engine_worker.kernel_build import KernelUnavailable
-from engine_worker.model import decode_stack
+from engine_worker.model import decode_stack, huge_pages
 from engine_worker.model.block_cache import BlockCache
 from engine_worker.model.config import ModelConfig
 from engine_worker.model.ggml_types import forget_tensors, kernel_format, tensors
@@ -89,6 +89,8 @@ def build_model(cfg: RunnerConfig, model_cfg: ModelConfig, max_positions: int,
                                 max_positions=max_positions, requantize=cfg.requantize,
                                 blocks=BlockCache.beside(cfg.gguf_path, Path(cfg.model_path)))
         forget_tensors()  # the file's map: nothing reads it after the load
+        if device.type == "cpu" and cfg.huge_pages == "auto":  # out of 4 KiB file pages
+            huge_pages.adopt(model)
         size = weight_bytes(model)
         return BuiltModel(model, QuantReport("gguf", size, size), paths, plan)
     plan = float_plan(cfg, native_q8)
