@@ -15,13 +15,18 @@ in the first decode step, included); "after the first step": the same from the e
 decode step (the steady state a long answer approaches); the medians over --rounds. Engine
 steps = forward passes of the target in that span: a figure no other load on the machine moves.
 Prints a markdown table with the speed-up over "off", the draft model's forward passes, and the
-acceptance (accepted / proposed drafts, mean accepted per verify). "draft@C" stops a round's
-drafts where the odds of the next one fall below C, "draft@auto" below the measured price of a
-draft (--speculative-draft-confidence; the worker's default is auto, "draft" here is 0);
+acceptance (accepted / proposed drafts, mean accepted per verify); with --rounds > 1, each
+mode's ratio in each round to that round's own "off" run (the modes take turns, so a round's
+pair shares the host's minute: its speed moves by a fifth within minutes on a 2-vCPU VM).
+"draft@C" stops a round's drafts where the odds of the next one fall below C, "draft@auto"
+below the measured price of a draft (--speculative-draft-confidence; the worker's default is
+auto, "draft" here is 0);
 "draft@auto/k6" drafts at most 6 a round (--k for the others);
 "draft@auto:none" takes the draft as --draft-quantization none loads it (its file's own blocks;
-the default, q4_0, is the worker's). --anatomy times every forward pass by model and rows and
-prints each mode's last run split that way: where a speculative round's time goes (draft
+the default, q4_0, is the worker's); "draft@auto~whole" its whole head every pass where the
+worker would read only the vocabulary's hot prefix (engine_worker/speculative/hot_vocab.py).
+--anatomy times every forward pass by model and rows and prints each mode's last run split that
+way: where a speculative round's time goes (draft
 passes, the target's verifications by rows, the rest), beside the plain run's one-row steps.
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
@@ -47,6 +52,7 @@ from engine_worker.model.loader import gguf_source, resolve_checkpoint
 from engine_worker.model.tokenizer import tokenizer_info
 from engine_worker.model_runner import ModelRunner
 from engine_worker.runner_config import RunnerConfig
+from engine_worker.speculative import hot_vocab
 from engine_worker.speculative.decoder import SpecDecoder
 from engine_worker.speculative.draft import DraftModelProposer
 from engine_worker.speculative.ngram import NgramProposer
@@ -207,7 +213,9 @@ def main() -> None:
     if args.anatomy:
         runner.execute = timed("target", runner.execute)
     drafts: dict[str, ModelRunner] = {}  # by --draft-quantization
+    hots: dict[str, hot_vocab.HotHead | None] = {}  # their heads over the hot prefix, as built
     if any(mo.startswith("draft") for mo in modes):
+        texts = hot_vocab.texts_of(path, runner.config.vocab_size)
         dgguf = None if args.draft == "tiny" else gguf_source(args.draft)
         dpath = cache / "tiny-llama-seed0" if args.draft == "tiny" else resolve_checkpoint(
             args.draft, cache, weights=dgguf is None)
@@ -217,6 +225,7 @@ def main() -> None:
             draft.execute = counted(timed("draft", draft.execute) if args.anatomy
                                     else draft.execute)
             drafts[rq] = draft
+            hots[rq] = hot_vocab.attach(draft.model, texts)  # as the worker's builder does
 
     def make(mode: str) -> SpecDecoder | None:
         if mode == "off":
@@ -229,12 +238,14 @@ def main() -> None:
         if mode == "ngram":
             proposer = NgramProposer()
         else:  # "draft": k drafts a round; "draft@C": stop where the next one's odds < C;
-            # "...:Q": the draft re-quantized to Q (default: the first --draft-quantization)
+            # "...:Q": the draft re-quantized to Q (default: the first --draft-quantization);
+            # "...~whole": its whole head every pass (not the hot prefix where it has one)
+            mode, whole, _ = mode.partition("~")
             mode, _, rq = mode.partition(":")
             conf = mode.partition("@")[2] or "0"
-            proposer = DraftModelProposer(drafts[rq or next(iter(drafts))],
-                                          min_confidence=None if conf == "auto"
-                                          else float(conf))
+            rq = rq or next(iter(drafts))
+            proposer = DraftModelProposer(drafts[rq], min_confidence=None if conf == "auto"
+                                          else float(conf), hot=None if whole else hots[rq])
         return SpecDecoder(proposer, k, max_batch=args.max_batch, min_acceptance=0.3)
 
     # Warm-up: first calls of oneDNN kernels are slow.
@@ -290,6 +301,15 @@ def main() -> None:
                 print(f"| {wl} (prompt {len(prompt)}) | {batch} | {mode} | {tps:.1f} | {ratio} | "
                       f"{later:.1f} | {ratio2} | {steps[mode]} | {drafted[mode]} | "
                       f"{stats.get(mode, '- | -')} | {same} |", flush=True)
+            if "off" in speeds and args.rounds > 1:  # each round against its own plain run
+                for mode in modes:
+                    if mode != "off":
+                        pairs = ", ".join(
+                            f"{a / b:.2f}x ({c / d:.2f}x)" for a, b, c, d in zip(
+                                speeds[mode], speeds["off"], steady[mode], steady["off"],
+                                strict=True))
+                        print(f"\n{wl}, {mode} against the same round's off: {pairs}",
+                              flush=True)
             for mode, line in anatomy.items():
                 print(f"\n{wl}, {mode}, the last run's passes: {line}", flush=True)
 

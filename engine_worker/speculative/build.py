@@ -34,6 +34,7 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
     else:
         from engine_worker.model.loader import gguf_source, resolve_checkpoint
         from engine_worker.sampler import Sampler
+        from engine_worker.speculative import hot_vocab
         from engine_worker.speculative.draft import DraftModelProposer
 
         gguf = gguf_source(cfg.draft_model)  # a GGUF draft is served from its own blocks
@@ -49,9 +50,16 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
                              f"the served model's ({runner.config.vocab_size})")
         # the served model's EOS ids: min_tokens holds them back in the drafts too, so no draft
         # is spent on an end the target would refuse
+        hot = hot_vocab.attach(draft.model, hot_vocab.texts_of(
+            runner.runner_config.model_path, runner.config.vocab_size))
+        if hot is not None:
+            log.info("the draft's head reads ids [0, %d) of %d while a greedy sequence's text "
+                     "stays among them (their ASCII-rich prefix)", hot.cut,
+                     runner.config.vocab_size)
         conf = cfg.speculative_draft_confidence
         proposer = DraftModelProposer(draft, Sampler(runner.config.eos_token_ids),
-                                      min_confidence=None if conf == "auto" else float(conf))
+                                      min_confidence=None if conf == "auto" else float(conf),
+                                      hot=hot)
     return SpecDecoder(proposer, cfg.num_speculative_tokens,
                        max_batch=cfg.speculative_max_batch,
                        min_acceptance=cfg.speculative_min_acceptance)

@@ -32,6 +32,7 @@ from engine_worker.block_manager import BlockManager
 from engine_worker.model_runner import ModelRunner
 from engine_worker.sampler import Sampler, argmax_rows, is_greedy, plain_greedy
 from engine_worker.sequence import Sequence
+from engine_worker.speculative.hot_vocab import HotHead
 from engine_worker.speculative.state import StepSeconds
 from engine_worker.step import SamplerInput, StepItem
 
@@ -48,14 +49,19 @@ class _DraftState:
     num_computed: int = 0
     tail_start: int = 0
     tail: list[int] = field(default_factory=list)
+    scanned: int = 0  # of its committed tokens, those looked at for a cold id (hot_vocab.py)
+    cold: bool = False  # one was found: this sequence drafts over the whole vocabulary
 
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None,
-                 min_confidence: float | None = 0.0) -> None:
+                 min_confidence: float | None = 0.0, hot: HotHead | None = None) -> None:
         """`min_confidence`: the odds below which a sequence stops drafting this round (0:
-        always k drafts; None: the price of a draft, measured; see `threshold`)."""
+        always k drafts; None: the price of a draft, measured; see `threshold`). `hot`: the
+        draft model's head limited to the vocabulary's ASCII-rich prefix (hot_vocab.py), taken
+        by a pass whose sequences are all plain greedy with no id past it in their text."""
         self.runner = runner
+        self.hot = hot
         self.sampler = sampler or Sampler()
         self.min_confidence = min_confidence
         self.pass_s: float | None = None  # the draft's one-token pass, seconds (EWMA)
@@ -107,6 +113,7 @@ class DraftModelProposer:
                 seq, st = seqs[i], seqs[i].spec.proposer
                 items.append(StepItem(seq.token_ids[st.num_computed :], st.num_computed,
                                       st.block_table))
+            self._heat(seqs, live)
             self._draw(seqs, live, self._execute(items), drafts, probs, ks, trust, stop)
         for j in range(1, max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
@@ -114,7 +121,10 @@ class DraftModelProposer:
                 break
             items = [StepItem([drafts[i][j - 1]], seqs[i].num_tokens + j - 1,
                               seqs[i].spec.proposer.block_table) for i in live]
+            self._heat(seqs, live)
             self._draw(seqs, live, self._execute(items), drafts, probs, ks, trust, stop)
+        if self.hot is not None:
+            self.hot.hot = False  # a catch-up chunk or another caller: the whole head
         out: list[tuple[list[int], torch.Tensor | None]] = []
         for i, seq in enumerate(seqs):
             st = seq.spec.proposer
@@ -125,6 +135,20 @@ class DraftModelProposer:
                 st.num_computed = seq.num_tokens + ks[i] - 1
             out.append((drafts[i], torch.stack(probs[i]) if probs[i] else None))
         return out
+
+    def _heat(self, seqs: list[Sequence], live: list[int]) -> None:
+        """The next pass takes the hot head when every live sequence may: plain greedy (no q
+        over every id to make), and no cold id (hot_vocab.py) in its committed text."""
+        if self.hot is None:
+            return
+        hot = True
+        for i in live:
+            seq, st = seqs[i], seqs[i].spec.proposer
+            if not st.cold and st.scanned < seq.num_tokens:
+                st.cold = self.hot.leaves(seq.token_ids[st.scanned :])
+                st.scanned = seq.num_tokens
+            hot = hot and not st.cold and plain_greedy(seq.params)
+        self.hot.hot = hot
 
     def _execute(self, items: list[StepItem]) -> torch.Tensor:
         """The draft's pass over `items`; a one-sequence pass of one or two tokens (a round's
