@@ -18,8 +18,8 @@ rewriting them (issue 39: the 1.5B Qwen's K-quants took ~9 s of numpy per start)
         else int_dot.pack(fmt, raw(), ...), written, then mapped: a later start does not pack
         again (~1 s for the 1.5B Qwen). A worker's builder then copies them into 2 MiB pages
         (model/huge_pages.py: a decode step streams them, ~10 % faster so); with
-        KESTREL_HUGE_PAGES=0 these file pages serve, which two workers of one file share and
-        the host can take back under pressure. KEY names the layer (blk.3.mlp.gate_up_proj);
+        --huge-pages off these file pages serve, which two workers of one file share and the
+        host can take back under pressure. KEY names the layer (blk.3.mlp.gate_up_proj);
         the json holds int_dot.LAYOUT.
 
 A tensor served as stored (Q4_0, Q4_1, Q8_0, Q5_0) is already a view of the file: nothing is

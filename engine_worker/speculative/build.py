@@ -48,8 +48,6 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not "
                              f"the served model's ({runner.config.vocab_size})")
-        # the served model's EOS ids: min_tokens holds them back in the drafts too, so no draft
-        # is spent on an end the target would refuse
         hot = hot_vocab.attach(draft.model, hot_vocab.texts_of(
             runner.runner_config.model_path, runner.config.vocab_size))
         if hot is not None:
@@ -57,6 +55,8 @@ def build_spec_decoder(cfg: WorkerConfig, runner: ModelRunner) -> SpecDecoder | 
                      "stays among them (their ASCII-rich prefix)", hot.cut,
                      runner.config.vocab_size)
         conf = cfg.speculative_draft_confidence
+        # the served model's EOS ids: min_tokens holds them back in the drafts too, so no draft
+        # is spent on an end the target would refuse
         proposer = DraftModelProposer(draft, Sampler(runner.config.eos_token_ids),
                                       min_confidence=None if conf == "auto" else float(conf),
                                       hot=hot)

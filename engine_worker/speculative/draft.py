@@ -59,7 +59,7 @@ class DraftModelProposer:
         """`min_confidence`: the odds below which a sequence stops drafting this round (0:
         always k drafts; None: the price of a draft, measured; see `threshold`). `hot`: the
         draft model's head limited to the vocabulary's ASCII-rich prefix (hot_vocab.py), taken
-        by a pass whose sequences are all plain greedy with no id past it in their text."""
+        by a pass whose sequences are all plain greedy with no cold id in their text."""
         self.runner = runner
         self.hot = hot
         self.sampler = sampler or Sampler()

@@ -15,8 +15,9 @@ Why it is safe: a draft is only a guess the target verifies; a guess limited to 
 changes no output, and costs acceptance only where the target's next token lies above the cut
 (0.01-0.09 % of this repository's code and docs tokens). A sequence whose prompt or output has
 a cold id (a Russian or Japanese text) drafts over the whole vocabulary from then on, so
-non-Latin text loses nothing. Sampled sequences (with a q distribution over every
-id) keep the whole head too.
+non-Latin text loses nothing. Sampled sequences (with a q distribution over every id) keep
+the whole head too. The chat template's control tokens lie past the cut (Qwen's <|im_end|>):
+a hot pass never drafts one, so an answer's end costs one rejected draft.
 """
 
 from __future__ import annotations
