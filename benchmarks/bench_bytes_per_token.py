@@ -210,13 +210,13 @@ def main() -> int:
             for huge in args.huge_pages.split(","):
                 proc, url, worker, model = start_ours(args.gguf, kv_dtype, huge)
                 procs.append(proc)
-                key = kv_dtype if huge == "auto" else f"{kv_dtype}, huge pages {huge}"
+                pages = "" if huge == "auto" else f", huge pages {huge}"
+                key = kv_dtype + pages
                 print(f"ours ({key}): a decode step reads {worker['decode_read_mb']:.1f} MB "
                       f"of weights and {worker['kv_bytes_per_token'] / 1024:.1f} KiB of "
                       f"{worker['kv_cache_dtype']} K/V a token of context; served context "
                       f"{worker['max_model_len']}", flush=True)
-                workers[key] = worker | {"label": worker["kv_cache_dtype"] + (
-                    "" if huge == "auto" else f", huge pages {huge}")}
+                workers[key] = worker | {"label": worker["kv_cache_dtype"] + pages}
                 runners[f"ours ({key} cache)"] = partial(itl_ours, url, model)
         if args.llama_server is not None:
             proc, url = start_llama(args.llama_server, args.gguf, contexts, args)

@@ -26,8 +26,8 @@ auto, "draft" here is 0);
 the default, q4_0, is the worker's); "draft@auto~whole" its whole head every pass where the
 worker would read only the vocabulary's hot prefix (engine_worker/speculative/hot_vocab.py).
 --anatomy times every forward pass by model and rows and prints each mode's last run split that
-way: where a speculative round's time goes (draft
-passes, the target's verifications by rows, the rest), beside the plain run's one-row steps.
+way: where a speculative round's time goes (draft passes, the target's verifications by rows,
+the rest), beside the plain run's one-row steps.
 
 The default draft is the tiny random Llama (shares SmolLM2's tokenizer): its drafts are almost
 never accepted, so it shows correctness and the backoff's cost, not a speed-up. A real draft pair
